@@ -1,0 +1,173 @@
+"""The one typed settings object. No other module reads the environment.
+
+Values come from, highest first: explicit keyword arguments, ``INFERQ_*`` environment variables, the TOML
+file named by ``INFERQ_CONFIG`` (if any), then the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "KI": 1024, "M": 1000**2, "MB": 1000**2,
+          "MIB": 1024**2, "MI": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "GI": 1024**3,
+          "T": 1000**4, "TB": 1000**4, "TIB": 1024**4, "TI": 1024**4}
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse a memory size such as ``2GiB``, ``512MB`` or ``1048576`` into bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"not a memory size: {value!r} (examples: 2GiB, 512MiB, 1000000)")
+    number, unit = m.groups()
+    return int(float(number) * _UNITS[(unit or "").upper()])
+
+
+def _user_dir(env: str, fallback: str) -> Path:
+    return Path(os.environ.get(env) or Path.home() / fallback)
+
+
+Tier = Literal["interactive", "batch"]
+
+
+class Settings(BaseSettings):
+    """Configuration for every inferq process (API, worker, Celery, CLI)."""
+
+    model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="forbid", validate_default=True)
+
+    # --- services -------------------------------------------------------------------------------
+    database_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/inferq",
+        description="SQLAlchemy URL of the job database (PostgreSQL in production, SQLite for `inferq up`).",
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL used as the job transport.")
+    celery_broker_url: str | None = Field(None, description="Celery broker; defaults to redis_url.")
+    celery_result_backend: str | None = Field(None, description="Celery result backend; defaults to redis_url.")
+
+    # --- model and engine -------------------------------------------------------------------------
+    model: str = Field("smollm2-135m-instruct", description="Model name (see `inferq models list`) or a local HF directory.")
+    model_cache_dir: Path = Field(default_factory=lambda: _user_dir("XDG_CACHE_HOME", ".cache") / "inferq" / "models")
+    data_dir: Path = Field(default_factory=lambda: _user_dir("XDG_DATA_HOME", ".local/share") / "inferq")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_memory: str = Field("1GiB", description="KV-cache pool size, e.g. 2GiB.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests running at once.")
+    max_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
+    max_model_len: int | None = Field(None, description="Cap on prompt+output length (default: the model's).")
+    enable_prefix_cache: bool = True
+    policy: Literal["continuous", "static"] = "continuous"
+    batch_min_share: float = Field(
+        0.1, ge=0.0, le=1.0, description="Share of each step's token budget guaranteed to the batch tier."
+    )
+    torch_threads: int | None = Field(None, description="torch intra-op threads (default: all cores).")
+
+    # --- queue and worker ---------------------------------------------------------------------------
+    stream_prefix: str = "inferq"
+    consumer_group: str = "workers"
+    worker_name: str | None = None
+    claim_idle_ms: int = Field(30_000, description="A pending message idle this long is reclaimed from its worker.")
+    heartbeat_seconds: float = 5.0
+    reconcile_interval_seconds: float = 15.0
+    shutdown_grace_seconds: float = 30.0
+    event_stream_maxlen: int = 10_000
+    event_stream_ttl_seconds: int = 3600
+    db_retry_max_seconds: float = 60.0
+
+    # --- API, quotas and webhooks ---------------------------------------------------------------------
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    default_max_queued_jobs: int = Field(1000, description="Per-tenant cap on queued jobs (429 above).")
+    default_tokens_per_minute: int = Field(2_000_000, description="Per-tenant token rate limit (429 above).")
+    tier_queue_cap: int = Field(100_000, description="Per-tier cap on queued jobs (429 above).")
+    webhook_allowlist: str = Field("", description="Comma-separated hosts or CIDRs that webhooks may target even if private.")
+    webhook_max_attempts: int = 8
+    webhook_timeout_seconds: float = 10.0
+    webhook_backoff_base_seconds: float = 1.0
+
+    # --- prices (micro-dollars per 1M tokens; batch tier gets a discount) ------------------------------
+    price_prompt_per_mtok: int = 100_000
+    price_cached_prompt_per_mtok: int = 25_000
+    price_completion_per_mtok: int = 400_000
+    batch_discount: float = Field(0.5, ge=0.0, le=1.0, description="Batch-tier price multiplier.")
+
+    # --- logging ----------------------------------------------------------------------------------------
+    log_level: str = "INFO"
+    log_json: bool | None = Field(None, description="JSON log lines; default: JSON unless stderr is a TTY.")
+    debug: bool = False
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+    @property
+    def broker_url(self) -> str:
+        return self.celery_broker_url or self.redis_url
+
+    @property
+    def result_backend(self) -> str:
+        return self.celery_result_backend or self.redis_url
+
+    @property
+    def allowlist(self) -> list[str]:
+        return [h.strip() for h in self.webhook_allowlist.split(",") if h.strip()]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("INFERQ_CONFIG")
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+
+class SettingsError(Exception):
+    """A settings problem, phrased for a one-line CLI message."""
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings, turning validation and TOML errors into one readable SettingsError."""
+    config_file = os.environ.get("INFERQ_CONFIG")
+    if config_file and not Path(config_file).is_file():
+        raise SettingsError(f"settings file {config_file} (INFERQ_CONFIG) does not exist")
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except Exception as exc:  # pydantic ValidationError or tomllib.TOMLDecodeError
+        errors = getattr(exc, "errors", None)
+        if callable(errors):
+            parts = [f"{'.'.join(str(p) for p in e['loc']) or '?'}: {e['msg']}" for e in errors()]
+            raise SettingsError("invalid settings: " + "; ".join(parts)) from exc
+        raise SettingsError(f"could not read settings file {config_file}: {exc}") from exc
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (cached). Tests build their own with ``Settings(...)``."""
+    return load_settings()
