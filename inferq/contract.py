@@ -1,0 +1,130 @@
+"""The job contract shared by the API, the Celery tasks and the worker: the submission body (one
+pydantic model, so REST, Celery and batch files validate identically), the msgpack stream message
+with its schema version, and the Redis key names. No torch here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+TIERS = ("interactive", "batch")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
+    content: str = Field(description="What they say.")
+
+
+class JobCreate(BaseModel):
+    """A generation job. Give exactly one of ``prompt``, ``messages`` (chat, rendered with the model's
+    chat template) or ``prompt_ids`` (token ids)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
+                 "temperature": 0, "tier": "interactive"},
+                {"prompt": "Once upon a time", "max_tokens": 64, "tier": "batch", "seed": 7},
+            ]
+        },
+    )
+
+    model: str | None = Field(None, description="Model name; the service's default model when omitted.", examples=["smollm2-135m-instruct"])
+    prompt: str | None = Field(None, min_length=1, max_length=1_000_000, description="Plain-text prompt.")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="Chat messages.")
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, description="Prompt token ids.")
+    max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Per-job seed: the same seed gives the same output.")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16, description="Stop strings (not included in the output).")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64, description="Stop token ids.")
+    ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence.")
+    tier: Literal["interactive", "batch"] = Field("interactive", description="interactive: latency tier; batch: cheaper throughput tier.")
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first within a tier.")
+    webhook_url: str | None = Field(None, max_length=2000, description="POSTed the finished job (signed) when it ends.")
+    deadline_seconds: float | None = Field(None, gt=0, le=7 * 86400, description="Expire the job if not finished this many seconds after acceptance.")
+    metadata: dict[str, Any] | None = Field(None, description="Free-form JSON kept with the job.")
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> JobCreate:
+        given = [n for n in ("prompt", "messages", "prompt_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, messages or prompt_ids" + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+    def request_params(self) -> dict[str, Any]:
+        """What the worker needs to run it (stored in jobs.request and carried in the message)."""
+        return self.model_dump(
+            mode="json",
+            include={"prompt", "messages", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k",
+                     "seed", "stop", "stop_token_ids", "ignore_eos"},
+            exclude_none=True,
+        )
+
+    def fingerprint(self) -> str:
+        """Hash of the body, to tell an idempotent retry (same body) from a conflict (another body)."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+class MessageError(ValueError):
+    """A stream message that cannot be decoded (malformed, or an unknown schema version)."""
+
+
+def encode_message(job_id: str, tenant_id: str, cache_namespace: str, model: str, tier: str, priority: int,
+                   request: dict[str, Any], deadline: float | None, enqueued_at: float) -> bytes:
+    """The stream message. ``deadline`` and ``enqueued_at`` are Unix times."""
+    return msgpack.packb({
+        "v": SCHEMA_VERSION, "job_id": job_id, "tenant_id": tenant_id, "ns": cache_namespace, "model": model,
+        "tier": tier, "priority": priority, "request": request, "deadline": deadline, "enqueued_at": enqueued_at,
+    })
+
+
+_REQUIRED = {"job_id": str, "tenant_id": str, "ns": str, "model": str, "tier": str, "priority": int, "request": dict}
+
+
+def decode_message(data: bytes) -> dict[str, Any]:
+    try:
+        msg = msgpack.unpackb(data)
+    except Exception as exc:
+        raise MessageError(f"not msgpack: {exc}") from exc
+    if not isinstance(msg, dict):
+        raise MessageError("message is not a map")
+    if msg.get("v") != SCHEMA_VERSION:
+        raise MessageError(f"unknown schema version {msg.get('v')!r} (this worker reads {SCHEMA_VERSION})")
+    for key, typ in _REQUIRED.items():
+        if not isinstance(msg.get(key), typ):
+            raise MessageError(f"field {key!r} missing or not {typ.__name__}")
+    if msg["tier"] not in TIERS:
+        raise MessageError(f"unknown tier {msg['tier']!r}")
+    return msg
+
+
+def model_id(name_or_path: str) -> str:
+    """The name a model is queued under: the name itself, or a local directory's base name."""
+    return Path(name_or_path).name if ("/" in name_or_path or name_or_path.startswith(".")) else name_or_path
+
+
+def stream_key(prefix: str, model: str, tier: str) -> str:
+    return f"{prefix}:jobs:{model}:{tier}"
+
+
+def events_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:events:{job_id}"
+
+
+def dead_letter_key(prefix: str) -> str:
+    return f"{prefix}:deadletter"
+
+
+def cancel_channel(prefix: str) -> str:
+    return f"{prefix}:cancel"

@@ -1,0 +1,194 @@
+"""Database models (SQLAlchemy 2). PostgreSQL is the source of truth; the same schema runs on SQLite
+for the zero-setup mode. Migrations in ``migrations/`` must match these models."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, dt.datetime: DateTime(timezone=True)}
+
+
+# Legal job status transitions; enforced by conditional UPDATEs (see inferq/jobs.py) so two workers
+# can never both finish a job. "running -> queued" is a hand-back (shutdown, reclaimed message).
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "expired"})
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "queued": frozenset({"running", "cancelled", "expired", "failed"}),
+    "running": frozenset({"queued", "succeeded", "failed", "cancelled", "expired"}),
+}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    cache_namespace: Mapped[str] = mapped_column(String(64), comment="Prefix-cache salt; equal values share cached prefixes.")
+    webhook_secret: Mapped[str] = mapped_column(String(128))
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True, comment="Shown to users to identify the key.")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, comment="sha256 hex of the full key.")
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Price(Base):
+    """Prices in integer micro-dollars per 1M tokens, per (model, tier), versioned: a job pays the
+    version in force when it was accepted."""
+
+    __tablename__ = "prices"
+    __table_args__ = (UniqueConstraint("model", "tier", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(16))
+    version: Mapped[int] = mapped_column(Integer)
+    prompt_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    cached_prompt_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    completion_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    effective_from: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
+        Index("ix_jobs_tenant_created", "tenant_id", "created_at", "id"),
+        Index("ix_jobs_status_model_tier", "status", "model", "tier"),
+    )
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(16))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    request: Mapped[dict[str, Any]] = mapped_column(comment="prompt|messages|prompt_ids and sampling parameters")
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    price_id: Mapped[int | None] = mapped_column(ForeignKey("prices.id"), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    queued_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    started_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    first_token_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    deadline_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    heartbeat_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Result(Base):
+    __tablename__ = "results"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    text: Mapped[str] = mapped_column(Text, default="")
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    token_ids: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class UsageEntry(Base):
+    """The token-cost ledger: exactly one row per terminal job (unique job_id)."""
+
+    __tablename__ = "usage_ledger"
+    __table_args__ = (Index("ix_usage_tenant_created", "tenant_id", "created_at"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    compute_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    cost_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    price_id: Mapped[int | None] = mapped_column(ForeignKey("prices.id"), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class WebhookDelivery(Base):
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_pending", "status", "next_attempt_at"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="pending", comment="pending | delivered | failed")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    next_attempt_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    history: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True, comment="one entry per attempt")
+
+
+def cost_micros(prompt: int, cached: int, completion: int, price: Price | None) -> int:
+    """Integer micro-dollars, rounded half up: uncached prompt, cached prompt and completion tokens at
+    their per-1M-token prices."""
+    if price is None:
+        return 0
+    nano = (prompt - cached) * price.prompt_per_mtok + cached * price.cached_prompt_per_mtok
+    nano += completion * price.completion_per_mtok
+    return (nano + 500_000) // 1_000_000
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """A SQLAlchemy engine; SQLite gets WAL and a busy timeout so the API and worker can share it."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker:
+    return sessionmaker(engine, expire_on_commit=False)
