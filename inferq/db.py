@@ -187,7 +187,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
+    if "poolclass" not in kwargs:
+        kwargs.update(pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, **kwargs)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker:

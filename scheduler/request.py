@@ -95,6 +95,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))  # FIFO tie-break
+    error: str | None = None  # why the request was rejected (finish_reason ERROR)
+    # Prefix-cache keys of the leading full blocks of all_token_ids (memoised by the block manager).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -117,6 +120,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: tier, then priority (higher first), then arrival. Smallest runs first."""
+        return (self.tier.rank, -self.priority, self.arrival_seq)
 
     @property
     def is_finished(self) -> bool:
