@@ -163,21 +163,26 @@ def decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Batched attention for the leading ``num_decodes`` single-token sequences. query ``[S, Hq, D]``."""
+    """Batched attention for the leading ``num_decodes`` single-token sequences. query ``[S, Hq, D]``.
+
+    One gather of every sequence's K/V into ``[S, Lmax, Hkv, D]``, then one SDPA call where the g query
+    heads sharing a kv head are folded into the query-length dimension (``[S, Hkv, g, D]``), so GQA needs
+    neither ``enable_gqa`` nor expanded kv heads (fastest on CPU, see the module docstring)."""
     nd, hq, d = query.shape
     num_blocks, bs, hkv, _ = k_cache.shape
     slots, mask, lmax = _decode_plan(meta)
     k = k_cache.view(num_blocks * bs, hkv, d).index_select(0, slots).view(nd, lmax, hkv, d)
     v = v_cache.view(num_blocks * bs, hkv, d).index_select(0, slots).view(nd, lmax, hkv, d)
-    g = hq // hkv
-    # Grouped matmul: the g query heads sharing a kv head form the M dimension of one small GEMM.
-    q = query.view(nd, hkv, g, d)
-    kt = k.permute(0, 2, 3, 1)  # [S, Hkv, D, L]
-    scores = torch.matmul(q, kt.to(q.dtype)).float() * scale  # [S, Hkv, g, L]
-    if mask is not None:
-        scores = scores + mask
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3).to(query.dtype))  # [S, Hkv, g, D]
+    if k.dtype != query.dtype:
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    if mask is not None and mask.dtype != query.dtype:
+        key = ("decode_mask", query.dtype)
+        m = meta.cache.get(key)
+        if m is None:
+            m = meta.cache[key] = mask.to(query.dtype)
+        mask = m
+    q = query.view(nd, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(nd, hq, d)
 
 

@@ -106,7 +106,7 @@ class BlockManager:
             hit.append(block_id)
         return PrefixHit(tuple(hit), len(hit) * self.block_size)
 
-    def _num_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
+    def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         """Free blocks an allocation would take (revived free cached blocks included)."""
         if hit is None:  # running request: grow the table
             return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(request.block_table))
@@ -116,7 +116,7 @@ class BlockManager:
     def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None, reserve: int = 0) -> bool:
         """Whether :meth:`allocate` (waiting request, ``hit`` from :meth:`lookup`) or :meth:`append_slots`
         (``hit`` None) would succeed while leaving ``reserve`` blocks free."""
-        return self._num_needed(request, num_new_tokens, hit) + reserve <= len(self.free_queue)
+        return self.blocks_needed(request, num_new_tokens, hit) + reserve <= len(self.free_queue)
 
     # --- mutations -------------------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:

@@ -122,9 +122,9 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int, int]:
+    def sort_key(self) -> tuple[int, int, float, int]:
         """Scheduling order: tier, then priority (higher first), then arrival. Smallest runs first."""
-        return (self.tier.rank, -self.priority, self.arrival_seq)
+        return (self.tier.rank, -self.priority, self.arrival_time, self.arrival_seq)
 
     @property
     def is_finished(self) -> bool:

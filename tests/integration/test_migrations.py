@@ -10,7 +10,6 @@ from sqlalchemy import create_engine, inspect, text
 
 from inferq.db import Base
 from inferq.migrate import downgrade, upgrade
-
 from tests.conftest import PG_ADMIN_URL, _with_db
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,101 @@
+"""Bearer API keys: ``Authorization: Bearer iq_...``. The key's sha256 is looked up in ``api_keys``;
+revoked keys and keys of deleted tenants are rejected. Valid lookups are cached for a few seconds per
+process (``auth_cache_seconds``) so submission does not pay a query per request; a revocation therefore
+takes effect within that time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
+
+from api.errors import ApiError, unauthorized
+from api.tenants import hash_key
+from inferq.db import ApiKey, Tenant
+
+bearer = HTTPBearer(auto_error=False, scheme_name="ApiKey",
+                    description="An API key from `inferq keys create TENANT`, sent as `Authorization: Bearer <key>`.")
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: Tenant  # detached ORM object (id, name, cache_namespace, webhook_secret, quotas)
+    key_prefix: str
+    is_admin: bool
+
+    @property
+    def tenant_id(self) -> str:
+        return self.tenant.id
+
+
+class KeyCache:
+    def __init__(self, ttl: float, max_entries: int = 10_000) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key_hash: str) -> Principal | None:
+        if self.ttl <= 0:
+            return None
+        hit = self._entries.get(key_hash)
+        if hit is None or hit[0] < time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, key_hash: str, principal: Principal) -> None:
+        if self.ttl <= 0:
+            return
+        with self._lock:
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()
+            self._entries[key_hash] = (time.monotonic() + self.ttl, principal)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def lookup_key(session_factory: sessionmaker, key: str) -> Principal | None:
+    """The principal for a full API key, or None when unknown or revoked."""
+    if not key or len(key) > 200:
+        return None
+    with session_factory() as s:
+        row = s.execute(
+            select(ApiKey, Tenant).join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key))
+        ).first()
+        if row is None or row[0].revoked_at is not None:
+            return None
+        s.expunge(row[1])
+        return Principal(tenant=row[1], key_prefix=row[0].prefix, is_admin=bool(row[0].is_admin))
+
+
+def authenticate(request: Request, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
+    key = credentials.credentials.strip()
+    state = request.app.state.inferq
+    key_hash = hash_key(key)
+    principal = state.key_cache.get(key_hash)
+    if principal is None:
+        principal = lookup_key(state.session_factory, key)
+        if principal is None:
+            raise unauthorized("invalid or revoked API key")
+        state.key_cache.put(key_hash, principal)
+    return principal
+
+
+def require_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
+    return authenticate(request, credentials)
+
+
+def require_admin(principal: Principal = Depends(require_key)) -> Principal:
+    if not principal.is_admin:
+        # an ordinary key must not learn that admin endpoints exist: treat as not found
+        raise ApiError(404, "not_found", "not found")
+    return principal

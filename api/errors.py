@@ -1,0 +1,126 @@
+"""One error envelope for every non-2xx answer, and the exception handlers that produce it:
+
+    {"error": {"type": "not_found", "message": "no job abc", "fields": []}}
+
+422 lists each bad field with its reason; 429 carries Retry-After; a database or Redis outage is a
+503 with the reason (never a 500)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import redis.exceptions as redis_exc
+import sqlalchemy.exc as sa_exc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferq.log import get_logger
+
+log = get_logger("inferq.api")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, type_: str, message: str, *, fields: list[dict[str, str]] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.fields = fields or []
+        self.headers = headers or {}
+
+
+def unauthorized(message: str = "missing or invalid API key") -> ApiError:
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def not_found(what: str) -> ApiError:
+    return ApiError(404, "not_found", what)
+
+
+def invalid(field: str, reason: str) -> ApiError:
+    return ApiError(422, "validation_error", f"{field}: {reason}", fields=[{"field": field, "reason": reason}])
+
+
+def too_many(message: str, retry_after: float) -> ApiError:
+    secs = max(1, math.ceil(retry_after or 1))
+    return ApiError(429, "quota_exceeded", message, headers={"Retry-After": str(secs)})
+
+
+def unavailable(reason: str) -> ApiError:
+    return ApiError(503, "unavailable", reason, headers={"Retry-After": "5"})
+
+
+def error_body(type_: str, message: str, fields: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    return {"error": {"type": type_, "message": message, "fields": fields or []}}
+
+
+def _json(status: int, type_: str, message: str, fields: list[dict[str, str]] | None = None,
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(type_, message, fields), status_code=status, headers=headers)
+
+
+def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        where, rest = parts[0], parts[1:]
+        return (".".join(rest) or where) if where == "body" else f"{where}.{'.'.join(rest)}" if rest else where
+    return ".".join(parts)
+
+
+def validation_fields(errors: list[dict[str, Any]]) -> list[dict[str, str]]:
+    out = []
+    for e in errors:
+        msg = str(e.get("msg", "invalid"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        out.append({"field": _loc(e.get("loc", ())) or "body", "reason": msg})
+    return out
+
+
+def db_unavailable_reason(exc: BaseException) -> str:
+    first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"database unavailable: {first[:300]}"
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _json(exc.status, exc.type, exc.message, exc.fields, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = validation_fields(list(exc.errors()))
+        message = "; ".join(f"{f['field']}: {f['reason']}" for f in fields) or "invalid request"
+        return _json(422, "validation_error", message, fields)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        types = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+                 406: "not_acceptable", 415: "unsupported_media_type"}
+        return _json(exc.status_code, types.get(exc.status_code, "error"), str(exc.detail),
+                     headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(sa_exc.DataError)
+    async def _data(_: Request, exc: sa_exc.DataError) -> JSONResponse:
+        # a value PostgreSQL cannot store (e.g. a NUL character in a text field): the client's input
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else "invalid value"
+        return _json(422, "validation_error", f"value rejected by the database: {reason}",
+                     [{"field": "body", "reason": reason}])
+
+    async def _db_down(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable", error=str(exc)[:300])
+        return _json(503, "unavailable", db_unavailable_reason(exc), headers={"Retry-After": "5"})
+
+    for cls in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError):
+        app.add_exception_handler(cls, _db_down)
+
+    async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("redis unavailable", error=str(exc)[:300])
+        return _json(503, "unavailable", f"redis unavailable: {str(exc)[:300]}", headers={"Retry-After": "5"})
+
+    for cls in (redis_exc.ConnectionError, redis_exc.TimeoutError, redis_exc.BusyLoadingError):
+        app.add_exception_handler(cls, _redis_down)

@@ -1,0 +1,94 @@
+"""The job as clients see it: one dict shared by GET /v1/jobs/{id}, the job list, the Celery
+``inferq.generate`` result and the webhook body (so all four always agree)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from inferq.db import Job, Result, UsageEntry
+
+
+def dollars(micros: int) -> str:
+    sign = "-" if micros < 0 else ""
+    micros = abs(int(micros))
+    return f"{sign}{micros // 1_000_000}.{micros % 1_000_000:06d}"
+
+
+def iso(t: dt.datetime | None) -> str | None:
+    if t is None:
+        return None
+    if t.tzinfo is None:  # SQLite hands back naive UTC
+        t = t.replace(tzinfo=dt.timezone.utc)
+    return t.isoformat()
+
+
+def job_view(job: Job, result: Result | None = None, ledger: UsageEntry | None = None) -> dict[str, Any]:
+    base = f"/v1/jobs/{job.id}"
+    usage = cost = None
+    if ledger is not None:
+        usage = {
+            "prompt_tokens": ledger.prompt_tokens,
+            "cached_prompt_tokens": ledger.cached_prompt_tokens,
+            "completion_tokens": ledger.completion_tokens,
+            "total_tokens": ledger.prompt_tokens + ledger.completion_tokens,
+            "compute_seconds": float(ledger.compute_seconds or 0.0),
+        }
+        cost = {"micros": int(ledger.cost_micros), "dollars": dollars(ledger.cost_micros)}
+    return {
+        "id": job.id,
+        "object": "job",
+        "status": job.status,
+        "model": job.model,
+        "tier": job.tier,
+        "priority": job.priority or 0,
+        "text": result.text if result is not None else None,
+        "finish_reason": result.finish_reason if result is not None else None,
+        "error": job.error,
+        "usage": usage,
+        "cost": cost,
+        "timings": {
+            "created_at": iso(job.created_at),
+            "queued_at": iso(job.queued_at),
+            "started_at": iso(job.started_at),
+            "first_token_at": iso(job.first_token_at),
+            "finished_at": iso(job.finished_at),
+            "deadline_at": iso(job.deadline_at),
+        },
+        "attempts": job.attempts or 0,
+        "cancel_requested": bool(job.cancel_requested),
+        "idempotency_key": job.idempotency_key,
+        "webhook_url": job.webhook_url,
+        "metadata": job.meta,
+        "links": {"self": base, "events": f"{base}/events", "cancel": f"{base}/cancel"},
+    }
+
+
+def load_job(session: Session, job_id: str, tenant_id: str | None = None) -> Job | None:
+    """The job, or None when unknown or (with ``tenant_id``) owned by another tenant."""
+    job = session.get(Job, job_id)
+    if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
+        return None
+    return job
+
+
+def full_view(session: Session, job: Job) -> dict[str, Any]:
+    result = session.get(Result, job.id)
+    ledger = session.scalar(select(UsageEntry).where(UsageEntry.job_id == job.id))
+    return job_view(job, result, ledger)
+
+
+def get_job_view(session: Session, job_id: str, tenant_id: str | None = None) -> dict[str, Any] | None:
+    """One query for the job, its result and its ledger row."""
+    row = session.execute(
+        select(Job, Result, UsageEntry)
+        .outerjoin(Result, Result.job_id == Job.id)
+        .outerjoin(UsageEntry, UsageEntry.job_id == Job.id)
+        .where(Job.id == job_id)
+    ).first()
+    if row is None or (tenant_id is not None and row[0].tenant_id != tenant_id):
+        return None
+    return job_view(row[0], row[1], row[2])

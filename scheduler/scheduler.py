@@ -1,0 +1,261 @@
+"""Continuous batching over the paged KV cache: which requests run this step, and how many tokens each.
+
+One token budget per step (``max_batched_tokens``) is shared by decodes and prefill chunks, so a long
+prompt is simply computed over several steps (chunked prefill). See docs/ENGINE.md for the rules.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from inferq.log import get_logger
+from scheduler.block_manager import BlockManager, cdiv
+from scheduler.request import FinishReason, Request, RequestStatus, Tier
+
+log = get_logger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    policy: Literal["continuous", "static"] = "continuous"
+    batch_min_share: float = 0.1  # of the token budget, guaranteed to the batch tier when it has work
+    max_model_len: int | None = None  # default for requests that carry none
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler: abort, deadline, error
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        # Per tier, ordered by priority (higher first), FIFO within a priority; preempted requests go
+        # to the front of their priority group.
+        self.waiting: dict[Tier, list[Request]] = {Tier.INTERACTIVE: [], Tier.BATCH: []}
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
+        self.num_preemptions = 0
+        self._finished: list[Request] = []  # ended between steps, reported by the next schedule()
+        self._cohort: set[str] = set()  # static policy: the batch being run to completion
+        self._num_deadlines = 0
+
+    # --- admission ---------------------------------------------------------------------------------
+    def rejection_reason(self, req: Request) -> str | None:
+        """Why ``req`` can never run (None if it can): it must fit the context and, alone, the KV pool."""
+        max_len = req.max_model_len or self.config.max_model_len
+        if max_len and req.num_prompt_tokens > max_len:
+            return f"prompt has {req.num_prompt_tokens} tokens, more than the model's context of {max_len}"
+        need = cdiv(req.max_total_tokens - 1, self.bm.block_size)  # the last sampled token needs no KV
+        if need > self.bm.num_blocks:
+            return (f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) needs "
+                    f"{need} KV blocks but the whole cache has {self.bm.num_blocks} blocks of "
+                    f"{self.bm.block_size} tokens; lower max_tokens or raise kv_cache_memory")
+        return None
+
+    def add_request(self, req: Request) -> bool:
+        """Queue a request; False if it can never run (it is then finished with ERROR and reported)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.max_model_len is None:
+            req.max_model_len = self.config.max_model_len
+        if (reason := self.rejection_reason(req)) is not None:
+            req.error = reason
+            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+            self._finished.append(req)
+            return False
+        self.requests[req.request_id] = req
+        self._num_deadlines += req.deadline is not None
+        self._enqueue(req)
+        return True
+
+    def capacity(self) -> tuple[int, int]:
+        """(requests, tokens) the caller may add now without building a backlog: requests up to
+        ``max_num_seqs`` beyond what is queued, tokens up to the free KV slots not promised to waiters."""
+        waiting = [r for q in self.waiting.values() for r in q]
+        if self.config.policy == "static":  # the cohort waiting for blocks is not a backlog
+            queued = sum(r.request_id not in self._cohort for r in waiting)
+        else:
+            queued = len(self.running) + len(waiting)
+        tokens = self.bm.num_free * self.bm.block_size - sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        return (max(0, self.config.max_num_seqs - queued) if tokens > 0 else 0), max(0, tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._finished)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    # --- ending requests -----------------------------------------------------------------------------
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a live request now and free its blocks (a stop string, abort, deadline...)."""
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting[req.tier].remove(req)
+        self.bm.free(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        del self.requests[req.request_id]
+        self._cohort.discard(req.request_id)
+        self._num_deadlines -= req.deadline is not None
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Cancel a request at any point; its blocks are free at once and it is reported next step."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, reason)
+            self._finished.append(req)
+        return req
+
+    # --- one step --------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished=self._finished)
+        self._finished = []
+        if self._num_deadlines:
+            now = time.monotonic()
+            for req in [r for r in self.requests.values() if r.deadline is not None and r.deadline < now]:
+                self.finish(req, FinishReason.DEADLINE)
+                out.finished.append(req)
+        if self.config.policy == "static" and not self._cohort:
+            order = self.waiting[Tier.INTERACTIVE] + self.waiting[Tier.BATCH]
+            self._cohort = {r.request_id for r in order[: self.config.max_num_seqs]}
+
+        self.running.sort(key=lambda r: r.sort_key)
+        run_i = [r for r in self.running if r.tier is Tier.INTERACTIVE]
+        run_b = [r for r in self.running if r.tier is Tier.BATCH]
+        wait_i, wait_b = self.waiting[Tier.INTERACTIVE], self.waiting[Tier.BATCH]
+        # Batch never starves: while it has work, it keeps `reserve` tokens of every step, its head
+        # request is never preempted by interactive work, and interactive admissions leave free the
+        # blocks the head needs for its next `reserve` tokens.
+        budget = self.config.max_batched_tokens
+        head = run_b[0] if run_b else (wait_b[0] if wait_b and self._admissible(wait_b[0]) else None)
+        reserve = head_blocks = 0
+        if head is not None and self.config.batch_min_share > 0:
+            reserve = max(1, int(self.config.batch_min_share * budget))
+            n = min(head.num_tokens - head.num_computed_tokens, reserve)
+            head_blocks = self.bm.blocks_needed(head, n) if head.block_table else cdiv(n, self.bm.block_size)
+        done: set[int] = set()  # ids of requests scheduled or preempted this step
+
+        used = self._run(run_i, budget - reserve, out, done, protect=head)
+        used += self._admit(wait_i, budget - reserve - used, out, done, protect=head, reserve=head_blocks)
+        used += self._run([r for r in run_b if r.status is RequestStatus.RUNNING], budget - used, out, done)
+        self._admit(wait_b, budget - used, out, done)
+        return out
+
+    def _run(self, reqs: list[Request], budget: int, out: SchedulerOutput, done: set[int],
+             protect: Request | None = None) -> int:
+        """Give running requests their next tokens, preempting less important ones when blocks run out."""
+        used = 0
+        for req in reqs:
+            if budget - used <= 0:
+                break
+            if id(req) in done:  # preempted earlier this step
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget - used)
+            while not self.bm.append_slots(req, n):
+                victim = self._victim(req, done, protect)
+                self._preempt(victim or req, out, done)
+                if victim is None:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                done.add(id(req))
+                used += n
+        return used
+
+    def _admit(self, queue: list[Request], budget: int, out: SchedulerOutput, done: set[int],
+               protect: Request | None = None, reserve: int = 0) -> int:
+        """Admit waiting requests in order (no overtaking: a head that does not fit blocks its queue)."""
+        used = 0
+        while queue and budget - used > 0 and len(self.running) < self.config.max_num_seqs:
+            req = queue[0]
+            if id(req) in done or not self._admissible(req):
+                break
+            hit = self.bm.lookup(req)
+            n = min(req.num_tokens - hit.num_tokens, budget - used)
+            # Only interactive admissions may preempt (batch ones), never the protected batch head.
+            while not self.bm.can_allocate(req, n, hit, reserve=reserve if req is not protect else 0):
+                victim = self._victim(req, done, protect, batch_only=True) if req.tier is Tier.INTERACTIVE else None
+                if victim is None:
+                    return used
+                self._preempt(victim, out, done)
+            self.bm.allocate(req, n, hit)
+            queue.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            done.add(id(req))
+            used += n
+        return used
+
+    def _admissible(self, req: Request) -> bool:
+        return self.config.policy != "static" or req.request_id in self._cohort
+
+    def _victim(self, req: Request, done: set[int], protect: Request | None, batch_only: bool = False) -> Request | None:
+        """Least important running request not yet scheduled this step: lowest tier, lowest priority,
+        latest arrival. Batch requests only ever preempt batch requests."""
+        only_batch = batch_only or req.tier is Tier.BATCH
+        cands = [r for r in self.running if r is not req and r is not protect and id(r) not in done
+                 and (r.tier is Tier.BATCH or not only_batch)]
+        return max(cands, key=lambda r: r.sort_key, default=None)
+
+    def _preempt(self, req: Request, out: SchedulerOutput, done: set[int]) -> None:
+        """Preempt by recompute: drop its KV, keep its outputs (recomputed later as part of its tokens)."""
+        self.running.remove(req)
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self._enqueue(req, front=True)
+        out.preempted.append(req)
+        done.add(id(req))
+        log.debug("preempted", request_id=req.request_id, tier=req.tier.value, tokens=req.num_tokens)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        queue = self.waiting[req.tier]
+        find = bisect.bisect_left if front else bisect.bisect_right
+        queue.insert(find(queue, -req.priority, key=lambda r: -r.priority), req)
+
+    # --- after the model ran ---------------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance each scheduled request by its computed tokens, append its sampled token, cache its
+        newly full blocks and apply token-level stops. Returns the requests finished here."""
+        finished = []
+        for (req, n), token in zip(out.scheduled, sampled):
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += n
+            self.bm.cache_blocks(req)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    @staticmethod
+    def _stop_reason(req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if req.num_output_tokens >= sp.max_tokens or (req.max_model_len and req.num_tokens >= req.max_model_len):
+            return FinishReason.LENGTH
+        return None

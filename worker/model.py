@@ -1,0 +1,435 @@
+"""Our own forward pass for Llama-family decoder models (LlamaForCausalLM, Qwen2ForCausalLM,
+MistralForCausalLM; SmolLM2 is a Llama).
+
+The batch is flattened: all tokens of all scheduled requests form one ``[T, hidden]`` tensor with per-token
+positions (no padding); attention goes through an ``AttentionBackend`` over the paged KV cache; logits are
+computed only for the rows in ``logits_indices`` (the last token of each request that samples).
+
+Weights come from local safetensors; q/k/v and gate/up projections are concatenated at load time into one
+matmul each (fewer, larger GEMMs are faster on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import AttentionBackend, AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelError(Exception):
+    """A model that cannot be found, read or run (message names the path or the unsupported feature)."""
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a HF ``config.json`` the forward pass needs."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    torch_dtype: str | None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence we run exactly: the model's context, capped by a sliding window if one is used
+        (we do not implement windowed attention, so stay within the window where it changes nothing)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _eos_list(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Validate and normalise a HF config dict (transformers 4.x and 5.x layouts)."""
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        model_type = raw.get("model_type")
+        by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        if archs or model_type not in by_type:
+            raise ModelError(
+                f"{where}: unsupported architecture {archs or model_type!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        arch = by_type[model_type]
+    try:
+        hidden = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        # transformers 5 stores rope_theta/rope_scaling inside "rope_parameters".
+        rope_params = dict(raw.get("rope_parameters") or {})
+        rope_scaling = raw.get("rope_scaling") or None
+        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+            rope_scaling = rope_params
+        rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rtype = rope_scaling.get("rope_type") or rope_scaling.get("type") or "default"
+            rope_scaling["rope_type"] = rtype
+            if rtype not in SUPPORTED_ROPE_TYPES:
+                raise ModelError(
+                    f"{where}: unsupported rope scaling type {rtype!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                )
+            if rtype == "default":
+                rope_scaling = None
+        if float(raw.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise ModelError(f"{where}: partial rotary embeddings are not supported")
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ModelError(f"{where}: unsupported activation {raw.get('hidden_act')!r} (only silu)")
+        sliding = None
+        if arch == "MistralForCausalLM":
+            sliding = raw.get("sliding_window")
+        elif arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
+            layer_types = raw.get("layer_types") or []
+            if not layer_types or "sliding_attention" in layer_types:
+                sliding = raw.get("sliding_window")
+        qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(raw.get("attention_bias", False))
+        o_bias = bool(raw.get("attention_bias", False)) if arch != "Qwen2ForCausalLM" else False
+        return ModelConfig(
+            architecture=arch,
+            model_type=str(raw.get("model_type", "")),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_list(raw.get("eos_token_id")),
+            raw=raw,
+        )
+    except KeyError as exc:
+        raise ModelError(f"{where}: missing field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{where}: invalid value ({exc})") from exc
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelError(f"{path} does not exist (not a Hugging Face model directory)") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path} is not a JSON object")
+    return parse_config(raw, str(path))
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
+    """"auto" is float32 on CPU and the checkpoint's half dtype (default bfloat16) on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        try:
+            return _DTYPES[str(dtype)]
+        except KeyError:
+            raise ModelError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)") from None
+    if device.type == "cpu":
+        return torch.float32
+    if config is not None and config.torch_dtype in ("float16", "bfloat16"):
+        if config.torch_dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return _DTYPES[config.torch_dtype]
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+# --- rotary embedding --------------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim/2]`` (float32), including linear/llama3 scaling as HF computes them."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = config.rope_scaling
+    if not sc:
+        return inv_freq
+    rtype = sc["rope_type"]
+    if rtype == "linear":
+        return inv_freq / float(sc["factor"])
+    if rtype == "llama3":
+        factor = float(sc["factor"])
+        low = float(sc["low_freq_factor"])
+        high = float(sc["high_freq_factor"])
+        old_len = float(sc["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out)
+    raise ModelError(f"unsupported rope scaling type {rtype!r}")
+
+
+# --- the model ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    post_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{model_dir}: no *.safetensors weight files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (OSError, SafetensorError, ValueError) as exc:
+            raise ModelError(f"cannot read weights {f}: {exc}") from exc
+    return tensors
+
+
+class CausalLM:
+    """Llama/Qwen2/Mistral decoder with fused projections, run on a flattened batch."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                 device: torch.device, where: str = "checkpoint") -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        c = config
+        # Normalise names: drop a leading "model." (and tolerate checkpoints saved without it).
+        w: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if name.startswith("model."):
+                name = name[len("model."):]
+            w[name] = t
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = w.pop(name, None)
+            if t is None:
+                if required:
+                    raise ModelError(f"{where}: missing weight {name!r}")
+                return None
+            return t.to(device=device, dtype=dtype)
+
+        def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise ModelError(f"{where}: inconsistent biases")
+            return torch.cat(parts, dim=0).contiguous()  # type: ignore[arg-type]
+
+        self.embed = take("embed_tokens.weight")
+        if self.embed.shape[0] < c.vocab_size:
+            raise ModelError(f"{where}: embedding has {self.embed.shape[0]} rows, config vocab_size {c.vocab_size}")
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            m = p + "mlp."
+            self.layers.append(
+                _Layer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    w_qkv=cat(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
+                    b_qkv=cat(take(a + "q_proj.bias", c.qkv_bias), take(a + "k_proj.bias", c.qkv_bias),
+                              take(a + "v_proj.bias", c.qkv_bias)),
+                    w_o=take(a + "o_proj.weight"),
+                    b_o=take(a + "o_proj.bias", False),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    w_gate_up=cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
+                    b_gate_up=cat(take(m + "gate_proj.bias", False), take(m + "up_proj.bias", False)),
+                    w_down=take(m + "down_proj.weight"),
+                    b_down=take(m + "down_proj.bias", False),
+                )
+            )
+            q_out = c.num_heads * c.head_dim
+            kv_out = c.num_kv_heads * c.head_dim
+            if self.layers[-1].w_qkv.shape[0] != q_out + 2 * kv_out:
+                raise ModelError(f"{where}: layer {i} attention weights do not match the config's head counts")
+        self.norm = take("norm.weight")
+        lm_head = w.pop("lm_head.weight", None)
+        if lm_head is None:
+            if not c.tie_word_embeddings:
+                # Some exports drop lm_head even without the flag; the embedding is the only sensible choice.
+                pass
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self.embed if c.tie_word_embeddings else lm_head.to(device=device, dtype=dtype)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.inv_freq = rope_inv_freq(c).to(device)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._build_rope_cache(min(c.max_model_len, 8192))
+        self._fast_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "auto",
+                        device: str | torch.device = "auto") -> CausalLM:
+        model_dir = Path(model_dir)
+        config = load_config(model_dir)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev, config)
+        tensors = _read_safetensors(model_dir)
+        return cls(config, tensors, dtype=dt, device=dev, where=str(model_dir))
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def _build_rope_cache(self, length: int) -> None:
+        pos = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [L, D/2] float32, as HF computes it
+        self._rope_cache = (freqs.cos().to(self.dtype), freqs.sin().to(self.dtype))
+
+    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._rope_cache  # type: ignore[misc]
+        if max_pos >= cos.shape[0]:
+            self._build_rope_cache(max(max_pos + 1, 2 * cos.shape[0]))
+            cos, sin = self._rope_cache  # type: ignore[misc]
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._fast_norm:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(c.num_layers)
+        ]
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+
+    # -- forward ---------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None)."""
+        c = self.config
+        t = input_ids.shape[0]
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qk_heads = hq + hkv
+        if max_position is None:
+            max_position = int(positions.max()) if t else 0
+        cos, sin = self._rope(positions, max_position)
+        cos = cos[:, None, :]
+        sin = sin[:, None, :]
+        half = d // 2
+        if meta.scale is None:
+            meta.scale = self.scale
+        x = F.embedding(input_ids, self.embed)
+        residual = x
+        h = self._norm(x, self.layers[0].input_norm) if self.layers else x
+        for i, layer in enumerate(self.layers):
+            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)  # [T, (Hq + 2Hkv) D]
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, d)
+            x1, x2 = qk[..., :half], qk[..., half:]
+            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # RoPE on q and k at once
+            q = qk[:, :hq]
+            k = qk[:, hq:]
+            v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
+            k_cache, v_cache = kv_caches[i]
+            backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = backend.forward(q, k, v, k_cache, v_cache, meta)
+            x = F.linear(attn.reshape(t, self.q_size), layer.w_o, layer.b_o)
+            residual = residual + x
+            h = self._norm(residual, layer.post_norm)
+            gu = F.linear(h, layer.w_gate_up, layer.b_gate_up)
+            inter = gu.shape[-1] // 2
+            x = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.w_down, layer.b_down)
+            residual = residual + x
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            if nxt is not None:
+                h = self._norm(residual, nxt)
+        if logits_indices is not None:
+            residual = residual.index_select(0, logits_indices)
+        h = self._norm(residual, self.norm)
+        return F.linear(h, self.lm_head).float()
+
+    __call__ = forward
