@@ -67,6 +67,8 @@ def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("body", "query", "path", "header"):
         where, rest = parts[0], parts[1:]
+        if where == "header":
+            rest = [r.lower() for r in rest]
         return (".".join(rest) or where) if where == "body" else f"{where}.{'.'.join(rest)}" if rest else where
     return ".".join(parts)
 

@@ -398,11 +398,11 @@ def _decode_reduce_kernel(
     pmask = p < n_parts
     dmask = d < head_dim
     m = tl.load(part_m_ptr + s * stride_pms + h * stride_pmh + p, mask=pmask, other=float("-inf"))
-    l = tl.load(part_l_ptr + s * stride_pms + h * stride_pmh + p, mask=pmask, other=0.0)
+    l_p = tl.load(part_l_ptr + s * stride_pms + h * stride_pmh + p, mask=pmask, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
     w = tl.where(pmask, tl.exp2(m - m_max), 0.0)
-    denom = tl.sum(w * l, 0)
+    denom = tl.sum(w * l_p, 0)
     denom = tl.where(denom > 0, denom, 1.0)
     o = tl.load(
         part_out_ptr + s * stride_pos + h * stride_poh + p[:, None] * stride_pop + d[None, :],

@@ -195,7 +195,7 @@ class BlockManager:
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.key is not None:  # lazy eviction of the LRU cached block
-                pass
+                del self.cached[block.key]
                 block.key = None
             block.ref_cnt = 1
             request.block_table.append(block_id)

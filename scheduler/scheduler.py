@@ -237,7 +237,7 @@ class Scheduler:
         """Advance each scheduled request by its computed tokens, append its sampled token, cache its
         newly full blocks and apply token-level stops. Returns the requests finished here."""
         finished = []
-        for (req, n), token in zip(out.scheduled, sampled):
+        for (req, n), token in zip(out.scheduled, sampled, strict=True):
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += n

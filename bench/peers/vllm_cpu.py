@@ -85,28 +85,84 @@ def ensure_venv(log=print, timeout: float = 3600) -> Path:
     return py
 
 
-def run_vllm_cpu(model_dir: Path, prompts: list[list[int]], max_tokens: list[int], dtype: str,
-                 *, max_model_len: int = 2048, timeout: float = 900, log=print) -> dict:
-    """Generate with vLLM-CPU in its own process; time generation only (start-up excluded).
+class VLLMCPU:
+    """A vLLM-CPU engine in its own process (its venv), kept alive so runs can alternate with inferq's.
 
-    Returns ``{"wall_s", "output_tokens", "prompt_tokens", "outputs", "version", "startup_s"}``.
-    Raises RuntimeError (with the reason) if it cannot run.
+    Line protocol over stdin/stdout (see ``vllm_cpu_runner.py``): one JSON request per line, one JSON reply.
+    Only generation is timed (inside the runner); start-up is reported as ``startup_s``.
     """
-    py = ensure_venv(log=log)
-    with tempfile.TemporaryDirectory(prefix="inferq-vllm-") as tmp:
-        inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        inp.write_text(json.dumps({"model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
-                                   "prompts": prompts, "max_tokens": max_tokens}))
-        cmd = [str(py), str(RUNNER), str(inp), str(out)]
-        log("+ " + " ".join(cmd))
+
+    def __init__(self, model_dir: Path, dtype: str, *, max_model_len: int = 2048, max_num_seqs: int = 256,
+                 prefix_caching: bool = False, threads: int | None = None, log=print,
+                 startup_timeout: float = 600) -> None:
+        py = ensure_venv(log=log)
+        self.log = log
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        spec = json.dumps({"model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
+                           "max_num_seqs": max_num_seqs, "prefix_caching": prefix_caching})
+        cmd = [str(py), str(RUNNER), "--serve", spec]
+        log(f"+ {py} {RUNNER.name} --serve (dtype {dtype}); vLLM start-up takes 1-2 minutes")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     text=True, env=runner_env(threads), cwd=tempfile.gettempdir(), bufsize=1)
+        self.info = self._read(startup_timeout)
+        self.startup_s = time.perf_counter() - t0
+        self.version = self.info.get("version")
+
+    def _read(self, timeout: float) -> dict:
+        import select
+
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise RuntimeError(f"vLLM-CPU runner gave no answer in {timeout:.0f}s: {self._tail()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5))
+            if ready:
+                line = self.proc.stdout.readline()
+                if not line:
+                    rc = self.proc.wait(timeout=30)
+                    raise RuntimeError(f"vLLM-CPU runner exited (rc {rc}): {self._tail()}")
+                line = line.strip()
+                if line.startswith("{"):
+                    msg = json.loads(line)
+                    if "error" in msg:
+                        raise RuntimeError(f"vLLM-CPU runner: {msg['error']}")
+                    return msg
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM-CPU runner exited (rc {self.proc.returncode}): {self._tail()}")
+
+    def _tail(self, n: int = 3000) -> str:
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, env=runner_env(), timeout=timeout, cwd=tmp)
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"vLLM-CPU runner timed out after {timeout:.0f}s") from exc
-        if r.returncode != 0 or not out.exists():
-            tail = (r.stderr or "")[-3000:] + (r.stdout or "")[-1000:]
-            raise RuntimeError(f"vLLM-CPU runner failed (rc {r.returncode}): {tail}")
-        return json.loads(out.read_text())
+            self._stderr.seek(0)
+            return self._stderr.read()[-n:]
+        except Exception:
+            return ""
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], timeout: float = 900) -> dict:
+        """-> {"wall_s", "output_tokens", "prompt_tokens", "outputs", "ttft_s"?}."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> VLLMCPU:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 if __name__ == "__main__":  # python -m bench.peers.vllm_cpu  -> set up the venv

@@ -93,6 +93,23 @@ def test_freed_cached_blocks_are_revived_then_lazily_evicted_lru():
     assert bm.lookup(req([1, 2, 3, 4, 5])).num_tokens == 0
 
 
+def test_reviving_free_cached_blocks_counts_against_free_space():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = req([1, 2, 3, 4, 5])
+    bm.allocate(a, 5)
+    compute(bm, a, 5)
+    bm.free(a)  # free queue: the never-used block, then a's blocks tail-first; 2 of them cached
+    c = req([60, 61, 62, 63])
+    assert bm.allocate(c, 4) and bm.num_free == 2 and len(bm.cached) == 2
+    b = req([1, 2, 3, 4, 9])
+    hit = bm.lookup(b)
+    assert hit.num_tokens == 4
+    # The 2 hit blocks are themselves the only free ones: reviving them leaves none for the 5th token.
+    assert not bm.can_allocate(b, 1, hit)
+    assert not bm.allocate(b, 1, hit)
+    assert bm.num_free == 2 and b.block_table == []
+
+
 def test_eviction_order_prefers_tail_blocks_of_a_freed_prefix():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = req([1, 2, 3, 4, 5, 6, 7])  # 3 full blocks + 1 partial

@@ -1,0 +1,212 @@
+"""The FastAPI application: ``create_app(settings=None)``. Run with ``inferq api`` or
+``uvicorn --factory api.app:create_app``. Never imports torch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from api import metrics
+from api.auth import KeyCache
+from api.health import RedisHealth
+from api.errors import install_handlers
+from api.schemas import Health, Readiness
+from api.validation import NO_NUL_PATTERN
+from inferq.db import make_engine, make_sessionmaker
+from inferq.log import configure_logging, get_logger
+from inferq.settings import Settings, get_settings
+
+log = get_logger("inferq.api")
+
+DESCRIPTION = """\
+Asynchronous LLM inference. Submit a job (`POST /v1/jobs`, answered **202** once it is stored), then poll
+it (`GET /v1/jobs/{id}`), stream its text (`GET /v1/jobs/{id}/events`, server-sent events) or receive it
+on a signed webhook. Usage and cost come from the token-cost ledger (`GET /v1/usage`).
+
+Authenticate with `Authorization: Bearer <api key>` (keys come from `inferq keys create TENANT`).
+Every error has the shape `{"error": {"type", "message", "fields"}}`.
+"""
+
+TAGS = [
+    {"name": "jobs", "description": "Submit, inspect, list, cancel and stream generation jobs."},
+    {"name": "usage", "description": "Token usage and cost from the ledger."},
+    {"name": "ops", "description": "Health, readiness and Prometheus metrics."},
+]
+
+
+class AppState:
+    """Everything a request needs: settings, the DB session factory and the Redis clients."""
+
+    def __init__(self, settings: Settings, *, auth_cache_seconds: float) -> None:
+        self.settings = settings
+        self.engine: Engine = make_engine(settings.database_url, **_engine_kwargs(settings.database_url))
+        self.session_factory: sessionmaker = make_sessionmaker(self.engine)
+        self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5,
+                                          health_check_interval=30, max_connections=64)
+        self._aredis: dict[int, aredis.Redis] = {}
+        self.key_cache = KeyCache(auth_cache_seconds)
+        self.redis_health = RedisHealth()
+        self.dispatcher: Any = None
+
+    def async_redis(self) -> aredis.Redis:
+        """An asyncio Redis client bound to the running event loop (SSE streams block on XREAD)."""
+        loop = asyncio.get_running_loop()
+        client = self._aredis.get(id(loop))
+        if client is None:
+            client = aredis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=2, health_check_interval=30)
+            self._aredis[id(loop)] = client
+        return client
+
+    async def aclose(self) -> None:
+        for client in self._aredis.values():
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        self._aredis.clear()
+
+    def close(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
+            self.dispatcher = None
+        self.redis.close()
+        self.engine.dispose()
+
+
+def _engine_kwargs(url: str) -> dict[str, Any]:
+    if url.startswith("postgresql"):
+        # fail fast (503) when the database is unreachable instead of hanging a request
+        return {"connect_args": {"connect_timeout": 3}, "pool_timeout": 5}
+    return {}
+
+
+def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_cache_seconds: float = 5.0) -> FastAPI:
+    """Build the API. ``webhooks``: run the webhook dispatcher as a background thread in this process
+    (started with the app's lifespan). ``auth_cache_seconds``: how long a key lookup is reused."""
+    settings = settings or get_settings()
+    configure_logging(settings.log_level, settings.log_json)
+    state = AppState(settings, auth_cache_seconds=auth_cache_seconds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if webhooks:
+            from api.webhooks import WebhookDispatcher
+
+            state.dispatcher = WebhookDispatcher(settings, state.session_factory)
+            state.dispatcher.start()
+        try:
+            yield
+        finally:
+            await state.aclose()
+            await run_in_threadpool(state.close)
+
+    app = FastAPI(
+        title="inferq",
+        version="1.0.0",
+        summary="Redis-queue-driven asynchronous LLM inference.",
+        description=DESCRIPTION,
+        openapi_tags=TAGS,
+        lifespan=lifespan,
+        debug=settings.debug,
+    )
+    app.state.inferq = state
+    install_handlers(app)
+    app.add_middleware(metrics.MetricsMiddleware)
+
+    from api.routes_jobs import router as jobs_router
+    from api.routes_usage import router as usage_router
+
+    app.include_router(jobs_router)
+    app.include_router(usage_router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _refine_openapi(get_openapi(
+                title=app.title, version=app.version, summary=app.summary, description=app.description,
+                routes=app.routes, tags=app.openapi_tags))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/healthz", tags=["ops"], response_model=Health, summary="Liveness: the process is up.")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"], response_model=Readiness, summary="Readiness: database and Redis reachable.",
+             responses={503: {"model": Readiness, "description": "A dependency is unreachable; `checks` says why."}})
+    def readyz() -> JSONResponse:
+        checks = {"database": "ok", "redis": "ok"}
+        try:
+            with state.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except Exception as exc:
+            checks["database"] = f"unreachable: {str(getattr(exc, 'orig', None) or exc).strip().splitlines()[0][:300]}"
+        try:
+            state.redis.ping()
+        except Exception as exc:
+            checks["redis"] = f"unreachable: {str(exc)[:300]}"
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics.",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format."}})
+    def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:
+    """What pydantic cannot say about JobCreate (so generated clients and schemathesis know it): exactly
+    one of prompt, messages, prompt_ids (a oneOf), and no NUL characters in stored text."""
+    schemas = spec.get("components", {}).get("schemas", {})
+    job = schemas.get("JobCreate")
+    if job is not None:
+        props = job.get("properties", {})
+        for name in ("model", "prompt"):
+            for alt in props.get(name, {}).get("anyOf", []):
+                if alt.get("type") == "string":
+                    alt["pattern"] = NO_NUL_PATTERN
+        stop_items = props.get("stop", {}).get("items")
+        if stop_items is not None:
+            stop_items["pattern"] = NO_NUL_PATTERN
+    content = schemas.get("ChatMessage", {}).get("properties", {}).get("content")
+    if content is not None:
+        content["pattern"] = NO_NUL_PATTERN
+    if job is not None and "oneOf" not in job:
+        job["oneOf"] = [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            {"required": ["prompt_ids"], "properties": {"prompt_ids": {"type": "array"}}},
+        ]
+    return spec
+
+
+def create_app_without_webhooks() -> FastAPI:
+    """Factory for ``inferq api --no-webhooks`` (webhooks delivered by ``inferq webhooks`` elsewhere)."""
+    return create_app(webhooks=False)
+
+
+_app: FastAPI | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``api.app:app`` for ``uvicorn api.app:app``: built on first access from the process settings."""
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = create_app()
+        return _app
+    raise AttributeError(name)

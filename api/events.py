@@ -1,0 +1,159 @@
+"""Server-sent events for one job: text deltas from the per-job Redis stream
+(``inferq.contract.events_key``), then one ``final`` event.
+
+Events (``data`` is JSON):
+
+* ``event: delta`` — ``{"text": "..."}``, ``id`` = the Redis stream entry id (resume with ``Last-Event-ID``);
+* ``event: final`` — the job as ``GET /v1/jobs/{id}`` returns it (status, text, finish_reason, usage, cost).
+
+When the stream is gone (expired or never written, e.g. a job cancelled while queued) and the job is
+terminal, the whole text from PostgreSQL is sent as one delta, then the final event. While the job is
+queued the connection stays open (comment lines keep proxies from timing it out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from inferq.contract import events_key
+from inferq.db import TERMINAL_STATUSES
+
+BLOCK_MS = 1000
+DB_CHECK_SECONDS = 2.0
+KEEPALIVE_SECONDS = 15.0
+FINAL_WAIT_SECONDS = 3.0  # after a stream `final`, how long to wait for PostgreSQL to show the job terminal
+_ENTRY_ID = re.compile(r"^\d+-\d+$")
+
+
+def sse(event: str, data: dict[str, Any], id_: str | None = None) -> str:
+    lines = []
+    if id_:
+        lines.append(f"id: {id_}")
+    lines.append(f"event: {event}")
+    lines.append("data: " + json.dumps(data, separators=(",", ":")))
+    return "\n".join(lines) + "\n\n"
+
+
+def _s(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def decode_fields(fields: dict[Any, Any]) -> dict[str, Any]:
+    """A stream entry as written by ``inferq.jobs.publish_events``: ``event`` (delta | done) and ``data``
+    (JSON: ``text`` for deltas; status, finish_reason, error, usage for done). Flat fields (``type``,
+    ``text``, ``usage``) are accepted too."""
+    raw = {_s(k): _s(v) for k, v in fields.items()}
+    out: dict[str, Any] = {}
+    data = raw.get("data")
+    if data:
+        try:
+            parsed = json.loads(data)
+            if isinstance(parsed, dict):
+                out.update(parsed)
+        except ValueError:
+            pass
+    for k, v in raw.items():
+        if k == "data":
+            continue
+        if k == "usage" and v[:1] == "{":
+            try:
+                out[k] = json.loads(v)
+                continue
+            except ValueError:
+                pass
+        out.setdefault(k, v)
+    out["kind"] = raw.get("event") or raw.get("type") or "delta"
+    return out
+
+
+def resume_from(last_event_id: str | None) -> str:
+    return last_event_id if last_event_id and _ENTRY_ID.match(last_event_id) else "0-0"
+
+
+async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[[], dict[str, Any] | None],
+                     last_event_id: str | None = None) -> AsyncIterator[str]:
+    """The SSE stream. ``load_view`` (sync, run in a thread) returns the job's GET view from PostgreSQL."""
+    key = events_key(prefix, job_id)
+    last = resume_from(last_event_id)
+    sent_delta = last != "0-0"
+    next_db_check = time.monotonic() + DB_CHECK_SECONDS
+    last_output = time.monotonic()
+    if not await aredis.exists(key):  # expired, or nothing published yet: PostgreSQL knows if it is over
+        view = await run_in_threadpool(load_view)
+        if view is None:
+            return
+        if view["status"] in TERMINAL_STATUSES and not await aredis.exists(key):
+            if view.get("text"):
+                yield sse("delta", {"text": view["text"]}, "text")
+            yield sse("final", view, "final")
+            return
+    while True:
+        resp = await aredis.xread({key: last}, count=256, block=BLOCK_MS)
+        if resp:
+            for entry_id, raw in resp[0][1]:
+                last = _s(entry_id)
+                f = decode_fields(raw)
+                kind = f["kind"]
+                if kind in ("done", "final"):
+                    yield sse("final", await _final_view(load_view, f), "final")
+                    return
+                text = f.get("text", "") if kind == "delta" else ""
+                if text:
+                    sent_delta = True
+                    yield sse("delta", {"text": text}, last)
+                    last_output = time.monotonic()
+            continue
+        now = time.monotonic()
+        if now >= next_db_check:
+            next_db_check = now + DB_CHECK_SECONDS
+            view = await run_in_threadpool(load_view)
+            if view is None:  # deleted meanwhile
+                return
+            if view["status"] in TERMINAL_STATUSES:
+                # one last non-blocking read: the final entry may have been added just now
+                tail = await aredis.xread({key: last}, count=1)
+                if tail:
+                    continue
+                if not sent_delta and view.get("text"):
+                    yield sse("delta", {"text": view["text"]}, "text")
+                yield sse("final", view, "final")
+                return
+        if now - last_output >= KEEPALIVE_SECONDS:
+            last_output = now
+            yield ": keepalive\n\n"
+
+
+async def _final_view(load_view: Callable[[], dict[str, Any] | None], fields: dict[str, Any]) -> dict[str, Any]:
+    """The job from PostgreSQL (authoritative usage and cost); if the worker published ``final`` before
+    committing, wait briefly, then fall back to what the stream entry says."""
+    deadline = time.monotonic() + FINAL_WAIT_SECONDS
+    view: dict[str, Any] | None = None
+    while True:
+        view = await run_in_threadpool(load_view)
+        if view is None or view["status"] in TERMINAL_STATUSES or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    view = dict(view or {})
+    if view.get("status") not in TERMINAL_STATUSES:
+        view.setdefault("finish_reason", None)
+        if not view.get("finish_reason") and fields.get("finish_reason"):
+            view["finish_reason"] = fields["finish_reason"]
+        if view.get("usage") is None and isinstance(fields.get("usage"), dict):
+            u = fields["usage"]
+            view["usage"] = {
+                "prompt_tokens": int(u.get("prompt_tokens", 0)),
+                "cached_prompt_tokens": int(u.get("cached_prompt_tokens", 0)),
+                "completion_tokens": int(u.get("completion_tokens", 0)),
+                "total_tokens": int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0)),
+                "compute_seconds": float(u.get("compute_seconds", 0.0)),
+            }
+        if fields.get("text") and view.get("text") is None:
+            view["text"] = fields["text"]
+    return view

@@ -1,0 +1,230 @@
+"""/v1/jobs: submit, get, list, cancel, events."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import re
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy import select, tuple_
+
+from api.auth import Principal, require_key
+from api.errors import ApiError, invalid, not_found, too_many
+from api.events import job_events
+from api.metrics import REJECTED, SSE_STREAMS, SUBMITTED
+from api.schemas import ErrorResponse, JobList, JobResponse, JobStatus
+from api.views import get_job_view, job_view
+from api.validation import body_errors
+from inferq import jobs
+from inferq.contract import JobCreate
+from inferq.db import Job, Result, UsageEntry
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+
+AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse, "description": "Missing, invalid or revoked API key."},
+    503: {"model": ErrorResponse, "description": "The database or Redis is unreachable (the reason is given)."},
+}
+NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job for this tenant (other tenants' jobs are 404 too)."}}
+INVALID = {422: {"model": ErrorResponse, "description": "Invalid parameters: `error.fields` lists each field and why."}}
+
+
+def _state(request: Request) -> Any:
+    return request.app.state.inferq
+
+
+def _uuid_or_404(job_id: str) -> str:
+    try:
+        return str(uuid.UUID(job_id))
+    except (ValueError, AttributeError):
+        raise not_found(f"no job {job_id[:64]!r}") from None
+
+
+@router.post(
+    "/jobs",
+    status_code=202,
+    response_model=JobResponse,
+    summary="Submit a job",
+    description=(
+        "Stores the job in PostgreSQL, then queues it on Redis; answers **202** only once the job is durably "
+        "stored. With an `Idempotency-Key`, a retry with the same key and body returns the same job (**200**), "
+        "and the same key with another body is **409**. Quotas (the tenant's queued jobs, tokens per minute, "
+        "the tier's queue cap) answer **429** with `Retry-After`. A `webhook_url` that resolves to a loopback, "
+        "private, link-local or metadata address is refused (**422**) unless allow-listed."
+    ),
+    responses={
+        200: {"model": JobResponse, "description": "Idempotent retry: the job created earlier with this key and body."},
+        202: {"description": "Accepted: the job is stored and queued.", "headers": {
+            "Location": {"description": "URL of the job.", "schema": {"type": "string"}}}},
+        409: {"model": ErrorResponse, "description": "Idempotency-Key reused with a different body."},
+        429: {"model": ErrorResponse, "description": "Quota exceeded; retry after `Retry-After` seconds.",
+              "headers": {"Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer"}}}},
+        **AUTH_ERRORS, **INVALID,
+    },
+)
+def create_job(
+    request: Request,
+    body: Annotated[JobCreate, Body(description="The job. Exactly one of prompt, messages or prompt_ids.")],
+    principal: Principal = Depends(require_key),
+    idempotency_key: Annotated[str | None, Header(
+        alias="Idempotency-Key", pattern=r"^[\x21-\x7e]{1,200}$", description="Client-chosen key (1-200 printable ASCII characters): retries with "
+        "the same key and body return the same job.", examples=["order-1234"])] = None,
+) -> JSONResponse:
+    state = _state(request)
+    if idempotency_key is not None and not _IDEMPOTENCY_KEY.match(idempotency_key):
+        raise invalid("header.idempotency-key", "must be 1-200 printable ASCII characters without spaces")
+    errors = body_errors(body, state.settings.allowlist)
+    if errors:
+        REJECTED.labels(errors[0]["field"].split(".")[0]).inc()
+        raise ApiError(422, "validation_error", "; ".join(f"{e['field']}: {e['reason']}" for e in errors),
+                       fields=errors)
+    state.redis_health.check(state.redis)
+    try:
+        job, created = jobs.submit(state.session_factory, state.redis, state.settings, principal.tenant, body,
+                                   idempotency_key)
+    except jobs.Conflict as exc:
+        REJECTED.labels("conflict").inc()
+        raise ApiError(409, "conflict", str(exc)) from None
+    except jobs.QuotaExceeded as exc:
+        REJECTED.labels(exc.limit or "quota").inc()
+        raise too_many(str(exc), exc.retry_after) from None
+    if created:
+        SUBMITTED.labels(job.tier).inc()
+        view = job_view(job)
+    else:
+        with state.session_factory() as s:
+            view = get_job_view(s, job.id) or job_view(job)
+    return JSONResponse(view, status_code=202 if created else 200, headers={"Location": f"/v1/jobs/{job.id}"})
+
+
+@router.get("/jobs/{job_id}", response_model=JobResponse, summary="Get a job",
+            description="Status, text, finish reason, usage, cost (micro-dollars and dollars) and timings.",
+            responses={**NOT_FOUND, **AUTH_ERRORS, **INVALID})
+def get_job(request: Request, job_id: str, principal: Principal = Depends(require_key)) -> JSONResponse:
+    jid = _uuid_or_404(job_id)
+    with _state(request).session_factory() as s:
+        view = get_job_view(s, jid, principal.tenant_id)
+    if view is None:
+        raise not_found(f"no job {jid}")
+    return JSONResponse(view)
+
+
+def encode_cursor(created_at: dt.datetime, job_id: str) -> str:
+    raw = json.dumps([created_at.isoformat(), job_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created, job_id = json.loads(raw)
+        t = dt.datetime.fromisoformat(created)
+        uuid.UUID(job_id)
+        return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)), job_id
+    except Exception:
+        raise invalid("query.cursor", "not a cursor returned by this endpoint") from None
+
+
+@router.get("/jobs", response_model=JobList, summary="List jobs",
+            description="The tenant's jobs, newest first, with opaque cursor pagination: pass `next_cursor` back "
+                        "as `cursor` until `has_more` is false.",
+            responses={**AUTH_ERRORS, **INVALID})
+def list_jobs(
+    request: Request,
+    principal: Principal = Depends(require_key),
+    status: Annotated[JobStatus | None, Query(description="Only jobs with this status.")] = None,
+    since: Annotated[dt.datetime | None, Query(description="Only jobs created at or after this time (ISO 8601).")] = None,
+    limit: Annotated[int, Query(ge=1, le=200, description="Page size.")] = 20,
+    cursor: Annotated[str | None, Query(max_length=500, pattern=r"^[A-Za-z0-9_-]+$", description="`next_cursor` of the previous page.")] = None,
+) -> JSONResponse:
+    stmt = (
+        select(Job, Result, UsageEntry)
+        .outerjoin(Result, Result.job_id == Job.id)
+        .outerjoin(UsageEntry, UsageEntry.job_id == Job.id)
+        .where(Job.tenant_id == principal.tenant_id)
+    )
+    if status is not None:
+        stmt = stmt.where(Job.status == status)
+    if since is not None:
+        if since.tzinfo is None:
+            since = since.replace(tzinfo=dt.timezone.utc)
+        stmt = stmt.where(Job.created_at >= since)
+    if cursor:
+        c_time, c_id = decode_cursor(cursor)
+        stmt = stmt.where(tuple_(Job.created_at, Job.id) < tuple_(c_time, c_id))
+    stmt = stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    with _state(request).session_factory() as s:
+        rows = s.execute(stmt).all()
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    data = [job_view(j, r, u) for j, r, u in rows]
+    next_cursor = encode_cursor(rows[-1][0].created_at, rows[-1][0].id) if has_more and rows else None
+    return JSONResponse({"object": "list", "data": data, "has_more": has_more, "next_cursor": next_cursor})
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=JobResponse, summary="Cancel a job",
+             description="A queued job is cancelled at once; a running job is aborted by its worker within one "
+                         "engine step (it pays for what was computed). A finished job is returned unchanged.",
+             responses={**NOT_FOUND, **AUTH_ERRORS, **INVALID})
+def cancel_job(request: Request, job_id: str, principal: Principal = Depends(require_key)) -> JSONResponse:
+    jid = _uuid_or_404(job_id)
+    state = _state(request)
+    job = jobs.cancel(state.session_factory, state.redis, state.settings, jid, tenant_id=principal.tenant_id)
+    if job is None:
+        raise not_found(f"no job {jid}")
+    with state.session_factory() as s:
+        view = get_job_view(s, jid, principal.tenant_id)
+    if view is None:
+        raise not_found(f"no job {jid}")
+    return JSONResponse(view)
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    summary="Stream a job's text (server-sent events)",
+    description=(
+        "`event: delta` with `data: {\"text\": ...}` for each piece of text as it is generated (the `id` is "
+        "the Redis stream entry id: reconnect with `Last-Event-ID` to resume), then one `event: final` whose "
+        "data is the job as `GET /v1/jobs/{id}` returns it (status, text, finish_reason, usage, cost). For a "
+        "finished job whose stream has expired: the whole text as one delta, then the final event."
+    ),
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}, "example":
+                     'id: 1700000000000-0\nevent: delta\ndata: {"text":"Paris"}\n\n'
+                     'id: final\nevent: final\ndata: {"id":"...","status":"succeeded",...}\n\n'}},
+                     "description": "An event stream that ends after the final event."},
+               **NOT_FOUND, **AUTH_ERRORS, **INVALID},
+)
+def job_event_stream(
+    request: Request,
+    job_id: str,
+    principal: Principal = Depends(require_key),
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", description="Resume after this event id.")] = None,
+) -> StreamingResponse:
+    jid = _uuid_or_404(job_id)
+    state = _state(request)
+    tenant_id = principal.tenant_id
+    with state.session_factory() as s:
+        exists = s.scalar(select(Job.id).where(Job.id == jid, Job.tenant_id == tenant_id))
+    if exists is None:
+        raise not_found(f"no job {jid}")
+    state.redis_health.check(state.redis)
+
+    def load_view() -> dict[str, Any] | None:
+        with state.session_factory() as s:
+            return get_job_view(s, jid, tenant_id)
+
+    async def stream() -> Any:
+        SSE_STREAMS.labels("redis").inc()
+        async for chunk in job_events(state.async_redis(), state.settings.stream_prefix, jid, load_view, last_event_id):
+            yield chunk
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

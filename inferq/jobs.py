@@ -1,0 +1,543 @@
+"""The job lifecycle in SQL, shared by the API, the Celery tasks and the worker.
+
+* ``submit``: quota checks, then the job row (status ``queued``, the price version in force, the deadline)
+  is committed FIRST; only then is the msgpack message XADDed to ``stream_key(prefix, model, tier)``
+  (together with an SADD of the job id to ``enqueued_key(prefix)``). An XADD that fails after the commit is
+  logged and left to ``reconcile``: the job stays accepted.
+* ``transition``/``finish``: conditional UPDATEs (``... WHERE status IN (...)``, optionally fenced on the
+  attempt number) so two workers can never both finish a job; ``finish`` writes the result row and the one
+  ledger row in the same transaction as the status change.
+* ``cancel``: queued jobs are cancelled at once; running jobs get ``cancel_requested`` and a pub/sub nudge.
+* ``reconcile``: expires queued jobs past their deadline, requeues ``running`` jobs whose worker heartbeat
+  is stale, and re-adds ``queued`` jobs that have no message in Redis (e.g. after FLUSHALL).
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Text, cast, func, select, text, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from inferq.contract import JobCreate, cancel_channel, encode_message, events_key, model_id, stream_key
+from inferq.db import (
+    TERMINAL_STATUSES,
+    TRANSITIONS,
+    Job,
+    Price,
+    Result,
+    Tenant,
+    UsageEntry,
+    cost_micros,
+    utcnow,
+)
+from inferq.log import get_logger
+from inferq.settings import Settings
+
+log = get_logger("inferq.jobs")
+
+# finish reason (engine) -> terminal job status
+STATUS_FOR_FINISH = {"stop": "succeeded", "length": "succeeded", "abort": "cancelled", "deadline": "expired",
+                     "error": "failed"}
+
+EVENT_DELTA = "delta"
+EVENT_DONE = "done"
+
+
+# --------------------------------------------------------------------------------------------------------
+# errors and key names
+# --------------------------------------------------------------------------------------------------------
+
+
+class JobError(Exception):
+    """Base class of the submission errors the API turns into HTTP answers."""
+
+
+class Conflict(JobError):
+    """The idempotency key was used before with a different body (HTTP 409)."""
+
+    def __init__(self, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+class QuotaExceeded(JobError):
+    """A quota or rate limit is exhausted (HTTP 429); ``retry_after`` is in seconds."""
+
+    def __init__(self, message: str, retry_after: float, limit: str = "") -> None:
+        super().__init__(message)
+        self.retry_after = max(1, int(math.ceil(retry_after)))
+        self.limit = limit
+
+
+def enqueued_key(prefix: str) -> str:
+    """Redis set of job ids that have a message in a job stream (the reconciler's cheap index)."""
+    return f"{prefix}:enqueued"
+
+
+def worker_key(prefix: str, worker: str) -> str:
+    """Redis hash with a worker's live statistics (busy_seconds, steps, in-flight jobs, ...)."""
+    return f"{prefix}:worker:{worker}"
+
+
+def reconcile_lock_key(prefix: str) -> str:
+    return f"{prefix}:reconcile:lock"
+
+
+def stale_after_seconds(settings: Settings) -> float:
+    """A running job whose heartbeat is older than this belongs to a dead (or partitioned) worker."""
+    return max(settings.claim_idle_ms / 1000.0, 3.0 * settings.heartbeat_seconds)
+
+
+def _as_aware(t: dt.datetime | None) -> dt.datetime | None:
+    if t is not None and t.tzinfo is None:  # SQLite hands back naive UTC
+        return t.replace(tzinfo=dt.timezone.utc)
+    return t
+
+
+def _unix(t: dt.datetime | None) -> float | None:
+    t = _as_aware(t)
+    return t.timestamp() if t is not None else None
+
+
+# --------------------------------------------------------------------------------------------------------
+# prices
+# --------------------------------------------------------------------------------------------------------
+
+
+def current_price(session: Session, settings: Settings, model: str, tier: str) -> Price:
+    """The price version in force for (model, tier); version 1 is created from the settings on first use
+    (the batch tier gets ``batch_discount``). Does not commit; safe against concurrent first use."""
+    now = utcnow()
+    stmt = (select(Price).where(Price.model == model, Price.tier == tier, Price.effective_from <= now)
+            .order_by(Price.version.desc()).limit(1))
+    price = session.scalar(stmt)
+    if price is not None:
+        return price
+    mult = settings.batch_discount if tier == "batch" else 1.0
+    fresh = Price(model=model, tier=tier, version=1, effective_from=now,
+                  prompt_per_mtok=int(round(settings.price_prompt_per_mtok * mult)),
+                  cached_prompt_per_mtok=int(round(settings.price_cached_prompt_per_mtok * mult)),
+                  completion_per_mtok=int(round(settings.price_completion_per_mtok * mult)))
+    try:
+        with session.begin_nested():
+            session.add(fresh)
+        return fresh
+    except IntegrityError:  # another process created version 1 first
+        price = session.scalar(select(Price).where(Price.model == model, Price.tier == tier)
+                               .order_by(Price.version.desc()).limit(1))
+        assert price is not None
+        return price
+
+
+# --------------------------------------------------------------------------------------------------------
+# submission
+# --------------------------------------------------------------------------------------------------------
+
+
+def estimate_tokens(request: dict[str, Any]) -> int:
+    """A cheap upper-ish estimate of a job's tokens (prompt + max_tokens) for the rate limit."""
+    if request.get("prompt_ids") is not None:
+        prompt = len(request["prompt_ids"])
+    elif request.get("prompt") is not None:
+        prompt = len(request["prompt"]) // 4 + 1
+    else:
+        prompt = sum(len(m.get("content", "")) // 4 + 4 for m in request.get("messages") or [])
+    return prompt + int(request.get("max_tokens", 0))
+
+
+def _lock_tenant(session: Session, tenant_id: str) -> None:
+    """Serialize one tenant's submissions so quota counts are exact (PostgreSQL only)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": "inferq:tenant:" + tenant_id})
+
+
+def _check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: str, request: dict[str, Any]) -> None:
+    now = utcnow()
+    # 1. the tenant's queued jobs
+    max_queued = tenant.max_queued_jobs if tenant.max_queued_jobs is not None else settings.default_max_queued_jobs
+    queued = session.scalar(select(func.count()).select_from(Job)
+                            .where(Job.tenant_id == tenant.id, Job.status == "queued")) or 0
+    if queued >= max_queued:
+        raise QuotaExceeded(f"tenant has {queued} queued jobs (limit {max_queued})", retry_after=5, limit="queued_jobs")
+    # 2. the tier's queue
+    tier_queued = session.scalar(select(func.count()).select_from(Job)
+                                 .where(Job.status == "queued", Job.tier == tier)) or 0
+    if tier_queued >= settings.tier_queue_cap:
+        raise QuotaExceeded(f"the {tier} queue is full ({tier_queued} jobs)", retry_after=10, limit="tier_queue")
+    # 3. tokens per minute: the ledger of the last minute (actual tokens) plus an estimate for this
+    #    tenant's jobs accepted in the last minute that have not reached the ledger yet
+    limit = tenant.tokens_per_minute if tenant.tokens_per_minute is not None else settings.default_tokens_per_minute
+    window_start = now - dt.timedelta(seconds=60)
+    used_ledger, oldest_ledger = session.execute(
+        select(func.coalesce(func.sum(UsageEntry.prompt_tokens + UsageEntry.completion_tokens), 0),
+               func.min(UsageEntry.created_at))
+        .where(UsageEntry.tenant_id == tenant.id, UsageEntry.created_at > window_start)).one()
+    estimate = func.length(cast(Job.request, Text)) / 4 + func.coalesce(Job.request["max_tokens"].as_integer(), 0)
+    used_open, oldest_open = session.execute(
+        select(func.coalesce(func.sum(estimate), 0), func.min(Job.created_at))
+        .where(Job.tenant_id == tenant.id, Job.created_at > window_start, Job.status.in_(("queued", "running")))).one()
+    used = int(used_ledger) + int(used_open)
+    need = estimate_tokens(request)
+    if used > 0 and used + need > limit:
+        oldest = min(t for t in (_as_aware(oldest_ledger), _as_aware(oldest_open), now) if t is not None)
+        retry = 60.0 - (now - oldest).total_seconds()
+        raise QuotaExceeded(f"token rate limit: {used} tokens in the last minute, this job needs about {need} "
+                            f"(limit {limit}/min)", retry_after=max(1.0, retry), limit="tokens_per_minute")
+
+
+def _idempotent(job: Job, fingerprint: str) -> tuple[Job, bool]:
+    if job.request_hash != fingerprint:
+        raise Conflict("idempotency key already used with a different request body", job_id=job.id)
+    return job, False
+
+
+def submit(session_factory: sessionmaker, redis: Any, settings: Settings, tenant: Tenant, body: JobCreate,
+           idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Accept a job: write the row (committed first), then enqueue it. Returns ``(job, created)``;
+    ``created`` is False for an idempotent retry (same key and body). Raises ``Conflict`` (same key,
+    other body) or ``QuotaExceeded``."""
+    model = model_id(body.model or settings.model)
+    fingerprint = body.fingerprint()
+    request = body.request_params()
+    with session_factory() as session:
+        if idempotency_key:
+            existing = session.scalar(select(Job).where(Job.tenant_id == tenant.id,
+                                                        Job.idempotency_key == idempotency_key))
+            if existing is not None:
+                return _idempotent(existing, fingerprint)
+        _lock_tenant(session, tenant.id)
+        _check_quotas(session, settings, tenant, body.tier, request)
+        price = current_price(session, settings, model, body.tier)
+        now = utcnow()
+        job = Job(tenant_id=tenant.id, model=model, tier=body.tier, priority=body.priority, request=request,
+                  status="queued", idempotency_key=idempotency_key, request_hash=fingerprint,
+                  webhook_url=body.webhook_url, meta=body.metadata, attempts=0, cancel_requested=False,
+                  price_id=price.id, created_at=now, queued_at=now,
+                  deadline_at=now + dt.timedelta(seconds=body.deadline_seconds) if body.deadline_seconds else None)
+        session.add(job)
+        try:
+            session.commit()
+        except IntegrityError:
+            session.rollback()
+            if not idempotency_key:
+                raise
+            existing = session.scalar(select(Job).where(Job.tenant_id == tenant.id,
+                                                        Job.idempotency_key == idempotency_key))
+            if existing is None:
+                raise
+            return _idempotent(existing, fingerprint)
+    try:
+        enqueue(redis, settings, job, tenant.cache_namespace)
+    except Exception as exc:  # the row is committed: the reconciler will enqueue it
+        log.warning("enqueue failed after commit; left for the reconciler", job_id=job.id, error=str(exc))
+    log.info("job accepted", job_id=job.id, tenant=tenant.id, model=model, tier=body.tier)
+    return job, True
+
+
+def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> str:
+    """XADD the job's message to its stream and remember it in the enqueued set (one MULTI)."""
+    deadline = _unix(job.deadline_at)
+    payload = encode_message(job.id, job.tenant_id, cache_namespace, job.model, job.tier, job.priority or 0,
+                             job.request, deadline, _unix(job.queued_at) or time.time())
+    pipe = redis.pipeline(transaction=True)
+    pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
+    pipe.sadd(enqueued_key(settings.stream_prefix), job.id)
+    msg_id, _ = pipe.execute()
+    return msg_id.decode() if isinstance(msg_id, bytes) else msg_id
+
+
+# --------------------------------------------------------------------------------------------------------
+# transitions
+# --------------------------------------------------------------------------------------------------------
+
+
+def _check_transition(from_statuses: Iterable[str], to_status: str) -> list[str]:
+    froms = [from_statuses] if isinstance(from_statuses, str) else list(from_statuses)
+    for f in froms:
+        if to_status not in TRANSITIONS.get(f, frozenset()) and not (f == to_status == "running"):
+            raise ValueError(f"illegal job transition {f} -> {to_status}")
+    return froms
+
+
+def transition(session: Session, job_id: str, from_statuses: Iterable[str] | str, to_status: str, *,
+               where: Sequence[Any] = (), **values: Any) -> bool:
+    """``UPDATE jobs SET status=to_status, **values WHERE id=job_id AND status IN from_statuses [AND where]``.
+    True when this call made the change (exactly one caller wins a race). Does not commit.
+    ``running -> running`` is the takeover of a job whose worker is gone (pass a staleness condition)."""
+    froms = _check_transition(from_statuses, to_status)
+    if to_status in TERMINAL_STATUSES:
+        values.setdefault("finished_at", utcnow())
+    stmt = (update(Job).where(Job.id == job_id, Job.status.in_(froms), *where)
+            .values(status=to_status, **values).execution_options(synchronize_session=False))
+    return session.execute(stmt).rowcount == 1
+
+
+def claim(session: Session, job_id: str, worker: str, stale_seconds: float) -> tuple[int, bool] | None:
+    """A worker takes a job: ``queued -> running``, or ``running -> running`` when the previous worker's
+    heartbeat is older than ``stale_seconds`` (it died; its message was reclaimed). Bumps ``attempts``,
+    which fences the previous attempt's ``finish``. Returns ``(attempt, cancel_requested)``, or None when
+    the job is not there to take (finished, cancelled, expired, or alive on another worker). Does not
+    commit."""
+    now = utcnow()
+    cutoff = now - dt.timedelta(seconds=stale_seconds)
+    takeable = (Job.status == "queued") | (
+        (Job.status == "running") & (Job.heartbeat_at.is_(None) | (Job.heartbeat_at < cutoff)))
+    row = session.execute(
+        update(Job).where(Job.id == job_id, takeable)
+        .values(status="running", attempts=Job.attempts + 1, worker=worker, started_at=now, heartbeat_at=now)
+        .returning(Job.attempts, Job.cancel_requested)
+        .execution_options(synchronize_session=False)).first()
+    return (int(row[0]), bool(row[1])) if row is not None else None
+
+
+def heartbeat(session: Session, worker: str, job_ids: Sequence[str]) -> dict[str, tuple[int, bool]]:
+    """Refresh ``heartbeat_at`` of this worker's running jobs; returns {job_id: (attempt, cancel_requested)}
+    for the jobs it still owns (a missing id was taken over or finished elsewhere). Does not commit."""
+    if not job_ids:
+        return {}
+    rows = session.execute(
+        update(Job).where(Job.id.in_(list(job_ids)), Job.status == "running", Job.worker == worker)
+        .values(heartbeat_at=utcnow())
+        .returning(Job.id, Job.attempts, Job.cancel_requested)
+        .execution_options(synchronize_session=False)).all()
+    return {r[0]: (int(r[1]), bool(r[2])) for r in rows}
+
+
+@dataclass
+class Outcome:
+    """What ``finish`` records for a job reaching a terminal status."""
+
+    status: str
+    text: str = ""
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    compute_seconds: float = 0.0
+    error: str | None = None
+    first_token_at: dt.datetime | None = None
+
+
+def finish(session: Session, job_id: str, outcome: Outcome, *, from_statuses: Iterable[str] | str = ("running",),
+           attempt: int | None = None, worker: str | None = None, where: Sequence[Any] = (),
+           **values: Any) -> bool:
+    """Move a job to a terminal status and write its result row and its single ledger row, all in the
+    caller's transaction (commit afterwards; roll back when False). Fenced: with ``attempt`` the update
+    only applies if the job is still on that attempt (a newer worker took it over otherwise)."""
+    froms = _check_transition(from_statuses, outcome.status)
+    if outcome.status not in TERMINAL_STATUSES:
+        raise ValueError(f"{outcome.status} is not a terminal status")
+    now = utcnow()
+    conds: list[Any] = [Job.id == job_id, Job.status.in_(froms), *where]
+    if attempt is not None:
+        conds.append(Job.attempts == attempt)
+    if worker is not None:
+        conds.append(Job.worker == worker)
+    vals: dict[str, Any] = {"status": outcome.status, "finished_at": now, **values}
+    if outcome.error is not None:
+        vals["error"] = outcome.error
+    if outcome.first_token_at is not None:
+        vals["first_token_at"] = func.coalesce(Job.first_token_at, outcome.first_token_at)
+    row = session.execute(update(Job).where(*conds).values(**vals)
+                          .returning(Job.tenant_id, Job.model, Job.tier, Job.price_id)
+                          .execution_options(synchronize_session=False)).first()
+    if row is None:
+        return False
+    tenant_id, model, tier, price_id = row
+    price = session.get(Price, price_id) if price_id is not None else None
+    session.add(Result(job_id=job_id, text=outcome.text or "", finish_reason=outcome.finish_reason,
+                       token_ids=outcome.token_ids, created_at=now))
+    session.add(UsageEntry(
+        job_id=job_id, tenant_id=tenant_id, model=model, tier=tier, status=outcome.status,
+        prompt_tokens=outcome.prompt_tokens, cached_prompt_tokens=outcome.cached_prompt_tokens,
+        completion_tokens=outcome.completion_tokens, compute_seconds=float(outcome.compute_seconds),
+        cost_micros=cost_micros(outcome.prompt_tokens, outcome.cached_prompt_tokens, outcome.completion_tokens, price),
+        price_id=price_id, created_at=now))
+    session.flush()
+    return True
+
+
+def done_event(outcome: Outcome) -> dict[str, str]:
+    """The final event of a job's event stream (fields ``event`` and ``data``, data is JSON)."""
+    return {"event": EVENT_DONE, "data": json.dumps({
+        "status": outcome.status, "finish_reason": outcome.finish_reason, "error": outcome.error,
+        "usage": {"prompt_tokens": outcome.prompt_tokens, "cached_prompt_tokens": outcome.cached_prompt_tokens,
+                  "completion_tokens": outcome.completion_tokens,
+                  "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+                  "compute_seconds": outcome.compute_seconds}})}
+
+
+def delta_event(text_delta: str, token_ids: list[int] | None) -> dict[str, str]:
+    return {"event": EVENT_DELTA, "data": json.dumps({"text": text_delta, "token_ids": token_ids or []})}
+
+
+def publish_events(pipe: Any, settings: Settings, job_id: str, *events: dict[str, str]) -> None:
+    """Queue XADDs of events to the job's capped event stream (plus its TTL) on a Redis pipeline."""
+    key = events_key(settings.stream_prefix, job_id)
+    for ev in events:
+        pipe.xadd(key, ev, maxlen=settings.event_stream_maxlen, approximate=True)
+    pipe.expire(key, settings.event_stream_ttl_seconds)
+
+
+def _publish_done(redis: Any, settings: Settings, job_id: str, outcome: Outcome) -> None:
+    try:
+        pipe = redis.pipeline(transaction=False)
+        publish_events(pipe, settings, job_id, done_event(outcome))
+        pipe.execute()
+    except Exception as exc:
+        log.warning("could not publish the final event", job_id=job_id, error=str(exc))
+
+
+# --------------------------------------------------------------------------------------------------------
+# cancellation
+# --------------------------------------------------------------------------------------------------------
+
+
+def cancel(session_factory: sessionmaker, redis: Any, settings: Settings, job_id: str,
+           tenant_id: str | None = None) -> Job | None:
+    """Cancel a job. Queued: cancelled at once (result + zero ledger row). Running: ``cancel_requested`` is
+    set and the worker is nudged on ``cancel_channel``; it aborts the request within one engine step and
+    the job ends ``cancelled`` (paying for what was computed). Terminal: unchanged. Returns the job (None
+    when unknown or owned by another tenant)."""
+    for _ in range(5):
+        with session_factory() as session:
+            job = session.get(Job, job_id)
+            if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
+                return None
+            if job.status in TERMINAL_STATUSES:
+                return job
+            if job.status == "queued":
+                outcome = Outcome(status="cancelled", finish_reason="abort", error="cancelled")
+                if finish(session, job_id, outcome, from_statuses=("queued",), cancel_requested=True):
+                    session.commit()
+                    _publish_done(redis, settings, job_id, outcome)
+                    log.info("queued job cancelled", job_id=job_id)
+                    session.refresh(job)
+                    return job
+            elif job.status == "running":
+                changed = session.execute(
+                    update(Job).where(Job.id == job_id, Job.status == "running").values(cancel_requested=True)
+                    .execution_options(synchronize_session=False)).rowcount
+                if changed:
+                    session.commit()
+                    try:
+                        redis.publish(cancel_channel(settings.stream_prefix), job_id)
+                    except Exception as exc:  # the worker also polls the flag at each heartbeat
+                        log.warning("cancel publish failed", job_id=job_id, error=str(exc))
+                    log.info("cancel requested", job_id=job_id)
+                    session.refresh(job)
+                    return job
+            session.rollback()
+    with session_factory() as session:
+        return session.get(Job, job_id)
+
+
+# --------------------------------------------------------------------------------------------------------
+# reconciliation
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReconcileReport:
+    readded: int = 0  # queued jobs with no message in Redis, enqueued again
+    requeued: int = 0  # running jobs with a stale heartbeat, moved back to queued and enqueued
+    expired: int = 0  # queued (or orphaned running) jobs past their deadline
+    cancelled: int = 0  # orphaned running jobs whose cancel had been requested
+
+
+def reconcile(session_factory: sessionmaker, redis: Any, settings: Settings, *, grace_seconds: float = 2.0,
+              batch_size: int = 500, stale_seconds: float | None = None) -> ReconcileReport:
+    """Repair the queue from PostgreSQL (the source of truth). Cheap: one indexed query per 500 queued
+    jobs plus one SMISMEMBER against the enqueued set. Re-adding a job that still has a message only
+    makes a duplicate message; the worker's conditional ``queued -> running`` update runs it once."""
+    report = ReconcileReport()
+    now = utcnow()
+    stale = stale_seconds if stale_seconds is not None else stale_after_seconds(settings)
+    to_enqueue: list[tuple[Job, str]] = []
+
+    with session_factory() as session:
+        # 1. queued jobs past their deadline
+        ids = session.scalars(select(Job.id).where(Job.status == "queued", Job.deadline_at.is_not(None),
+                                                   Job.deadline_at < now).limit(1000)).all()
+        for job_id in ids:
+            outcome = Outcome(status="expired", finish_reason="deadline", error="deadline passed while queued")
+            if finish(session, job_id, outcome, from_statuses=("queued",)):
+                session.commit()
+                report.expired += 1
+                _publish_done(redis, settings, job_id, outcome)
+            else:
+                session.rollback()
+
+        # 2. running jobs whose worker stopped heartbeating
+        cutoff = now - dt.timedelta(seconds=stale)
+        stale_cond = ((Job.heartbeat_at < cutoff) | (Job.heartbeat_at.is_(None) & (Job.started_at < cutoff)))
+        rows = session.execute(select(Job.id, Job.attempts, Job.cancel_requested, Job.deadline_at)
+                               .where(Job.status == "running", stale_cond).limit(1000)).all()
+        for job_id, attempts, cancel_requested, deadline_at in rows:
+            fence = [Job.attempts == attempts, stale_cond]
+            deadline_at = _as_aware(deadline_at)
+            if cancel_requested or (deadline_at is not None and deadline_at < now):
+                outcome = (Outcome(status="cancelled", finish_reason="abort", error="cancelled")
+                           if cancel_requested else
+                           Outcome(status="expired", finish_reason="deadline", error="deadline passed"))
+                if finish(session, job_id, outcome, attempt=attempts, where=[stale_cond]):
+                    session.commit()
+                    report.cancelled += outcome.status == "cancelled"
+                    report.expired += outcome.status == "expired"
+                    _publish_done(redis, settings, job_id, outcome)
+                else:
+                    session.rollback()
+                continue
+            if transition(session, job_id, ("running",), "queued", where=fence, worker=None, queued_at=now):
+                session.commit()
+                job = session.get(Job, job_id)
+                tenant = session.get(Tenant, job.tenant_id) if job is not None else None
+                if job is not None and tenant is not None:
+                    to_enqueue.append((job, tenant.cache_namespace))
+                    report.requeued += 1
+                log.warning("requeued a running job with a stale heartbeat", job_id=job_id, attempts=attempts)
+            else:
+                session.rollback()
+
+        # 3. queued jobs without a message in Redis
+        requeued_ids = {job.id for job, _ in to_enqueue}
+        enq = enqueued_key(settings.stream_prefix)
+        horizon = now - dt.timedelta(seconds=grace_seconds)
+        last_id = ""
+        while True:
+            rows = session.execute(
+                select(Job, Tenant.cache_namespace).join(Tenant, Tenant.id == Job.tenant_id)
+                .where(Job.status == "queued", Job.queued_at < horizon, Job.id > last_id)
+                .order_by(Job.id).limit(batch_size)).all()
+            if not rows:
+                break
+            last_id = rows[-1][0].id
+            present = redis.smismember(enq, [job.id for job, _ in rows])
+            for (job, ns), here in zip(rows, present, strict=True):
+                if not here and job.id not in requeued_ids:
+                    to_enqueue.append((job, ns))
+                    report.readded += 1
+            if len(rows) < batch_size:
+                break
+            session.expunge_all()
+
+    for job, ns in to_enqueue:
+        try:
+            enqueue(redis, settings, job, ns)
+        except Exception as exc:
+            log.warning("reconcile could not enqueue", job_id=job.id, error=str(exc))
+    if report.readded or report.requeued or report.expired or report.cancelled:
+        log.info("reconciled", readded=report.readded, requeued=report.requeued, expired=report.expired,
+                 cancelled=report.cancelled)
+    return report

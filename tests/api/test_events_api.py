@@ -1,0 +1,150 @@
+"""SSE over real HTTP: deltas from the per-job Redis stream (written here exactly as the worker writes
+them, with inferq.jobs.publish_events), the final event with usage from PostgreSQL, resumption, and the
+expired-stream fallback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from inferq import jobs
+from inferq.contract import events_key
+from inferq.db import utcnow
+
+pytestmark = pytest.mark.integration
+
+BODY = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0}
+
+
+def read_sse(resp: httpx.Response) -> list[tuple[str, str | None, dict]]:
+    events = []
+    event, id_, data = None, None, []
+    for line in resp.iter_lines():
+        if line == "":
+            if event is not None or data:
+                events.append((event or "message", id_, json.loads("\n".join(data))))
+            event, id_, data = None, None, []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("id:"):
+            id_ = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+    return events
+
+
+def _start(db, job_id: str) -> None:
+    with db() as s:
+        assert jobs.transition(s, job_id, "queued", "running", attempts=1, started_at=utcnow(), worker="w1")
+        s.commit()
+
+
+def _finish(db, redis_client, settings, job_id: str, text: str) -> jobs.Outcome:
+    outcome = jobs.Outcome(status="succeeded", text=text, finish_reason="length", prompt_tokens=3,
+                           completion_tokens=2, compute_seconds=0.01)
+    with db() as s:
+        assert jobs.finish(s, job_id, outcome)
+        s.commit()
+    pipe = redis_client.pipeline()
+    jobs.publish_events(pipe, settings, job_id, jobs.done_event(outcome))
+    pipe.execute()
+    return outcome
+
+
+def _delta(redis_client, settings, job_id: str, text: str) -> None:
+    pipe = redis_client.pipeline()
+    jobs.publish_events(pipe, settings, job_id, jobs.delta_event(text, [1]))
+    pipe.execute()
+
+
+def test_sse_live_deltas_then_final(client, tenant, db, redis_client, settings):
+    job_id = client.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"]
+
+    def worker() -> None:
+        time.sleep(0.3)
+        _start(db, job_id)
+        for piece in ("Hel", "lo", " world"):
+            _delta(redis_client, settings, job_id, piece)
+            time.sleep(0.05)
+        _finish(db, redis_client, settings, job_id, "Hello world")
+
+    th = threading.Thread(target=worker)
+    th.start()
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=tenant.headers, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = read_sse(r)
+    th.join()
+    assert [e[0] for e in events] == ["delta", "delta", "delta", "final"]
+    assert "".join(e[2]["text"] for e in events[:3]) == "Hello world"
+    final = events[-1][2]
+    assert final["status"] == "succeeded" and final["text"] == "Hello world" and final["finish_reason"] == "length"
+    assert final["usage"]["prompt_tokens"] == 3 and final["usage"]["completion_tokens"] == 2
+    assert final["cost"]["micros"] >= 0 and final["id"] == job_id
+    # resume after the first delta: the rest only
+    with client.stream("GET", f"/v1/jobs/{job_id}/events",
+                       headers={**tenant.headers, "Last-Event-ID": events[0][1]}) as r:
+        resumed = read_sse(r)
+    assert [e[2].get("text") for e in resumed[:-1]] == ["lo", " world"] and resumed[-1][0] == "final"
+
+
+def test_sse_stream_expired(client, tenant, db, redis_client, settings):
+    job_id = client.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"]
+    _start(db, job_id)
+    _delta(redis_client, settings, job_id, "partial")
+    _finish(db, redis_client, settings, job_id, "The whole text.")
+    redis_client.delete(events_key(settings.stream_prefix, job_id))  # as if its TTL had passed
+    t0 = time.monotonic()
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=tenant.headers) as r:
+        events = read_sse(r)
+    assert time.monotonic() - t0 < 2.0
+    assert [e[0] for e in events] == ["delta", "final"]
+    assert events[0][2] == {"text": "The whole text."}
+    assert events[1][2]["status"] == "succeeded" and events[1][2]["usage"]["total_tokens"] == 5
+
+
+def test_sse_cancel_while_queued(client, tenant):
+    job_id = client.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"]
+
+    def cancel() -> None:
+        time.sleep(0.3)
+        client_b = httpx.Client(base_url=str(client.base_url))
+        client_b.post(f"/v1/jobs/{job_id}/cancel", headers=tenant.headers)
+        client_b.close()
+
+    th = threading.Thread(target=cancel)
+    th.start()
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=tenant.headers, timeout=30) as r:
+        events = read_sse(r)
+    th.join()
+    assert [e[0] for e in events] == ["final"]
+    assert events[0][2]["status"] == "cancelled" and events[0][2]["finish_reason"] == "abort"
+
+
+def test_sse_final_from_db_when_no_done_event(client, tenant, db, redis_client, settings):
+    """A job that ends without a `done` entry (e.g. the worker could not publish it) still ends the stream,
+    from PostgreSQL, without repeating text already sent."""
+    job_id = client.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"]
+    _start(db, job_id)
+    _delta(redis_client, settings, job_id, "Hi")
+    with db() as s:
+        assert jobs.finish(s, job_id, jobs.Outcome(status="failed", text="Hi", finish_reason="error", error="boom"))
+        s.commit()
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=tenant.headers, timeout=30) as r:
+        events = read_sse(r)
+    assert [e[0] for e in events] == ["delta", "final"]
+    assert events[0][2] == {"text": "Hi"}
+    assert events[1][2]["status"] == "failed" and events[1][2]["error"] == "boom"
+
+
+def test_sse_401_404(client, make_tenant):
+    a, b = make_tenant(), make_tenant()
+    job_id = client.post("/v1/jobs", json=BODY, headers=a.headers).json()["id"]
+    assert client.get(f"/v1/jobs/{job_id}/events").status_code == 401
+    assert client.get(f"/v1/jobs/{job_id}/events", headers=b.headers).status_code == 404

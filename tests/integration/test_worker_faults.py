@@ -1,0 +1,315 @@
+"""Real worker subprocesses (``python -m worker.service``) on a tiny random model, against the real
+PostgreSQL and a private real Redis server: end-to-end jobs, dead letters, cancellation, deadlines, the
+ledger against the engine's busy time, Redis FLUSHALL, kill -9 with jobs in flight, a PostgreSQL outage
+(through a TCP proxy we cut) and SIGTERM hand-back."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import pytest
+from sqlalchemy import func, select
+
+from inferq import jobs
+from inferq.contract import JobCreate, dead_letter_key, events_key, model_id, stream_key
+from inferq.db import Job, Result, UsageEntry, make_engine, make_sessionmaker
+from inferq.settings import Settings
+from tests.service_fixtures import (  # noqa: F401
+    TcpProxy,
+    WorkerProcess,
+    make_tenant,
+    private_redis,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(170)]
+
+LONG = 1400  # tokens of a "long" job: several seconds on the tiny model
+TERMINAL = ("succeeded", "failed", "cancelled", "expired")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models"), arch="llama", max_position_embeddings=2048)
+
+
+class Service:
+    """One queue namespace: settings for the workers' environment, and helpers for the test side."""
+
+    def __init__(self, pg_url: str, redis_url: str, model: Path, tmp: Path, **overrides) -> None:
+        self.prefix = f"wf-{uuid.uuid4().hex[:8]}"
+        self.env = dict(database_url=pg_url, redis_url=redis_url, stream_prefix=self.prefix, model=str(model),
+                        device="cpu", dtype="float32", kv_cache_memory="32MiB", torch_threads=1, max_num_seqs=4,
+                        heartbeat_seconds=0.3, claim_idle_ms=2000, reconcile_interval_seconds=1.0,
+                        shutdown_grace_seconds=5, db_retry_max_seconds=60, log_json="true", log_level="INFO")
+        self.env.update(overrides)
+        self.settings = Settings(**{**self.env, "database_url": pg_url, "log_json": True})
+        self.engine = make_engine(pg_url)
+        self.db = make_sessionmaker(self.engine)
+        import redis
+
+        self.redis = redis.Redis.from_url(redis_url)
+        self.tmp = tmp
+        self.model = model_id(str(model))
+        self.tenant = make_tenant(self.db)
+        self.workers: list[WorkerProcess] = []
+
+    def start_worker(self, **env) -> WorkerProcess:
+        name = f"w{len(self.workers) + 1}-{uuid.uuid4().hex[:4]}"
+        w = WorkerProcess({**self.env, **env}, self.tmp / f"{name}.log", name)
+        self.workers.append(w)
+        return w
+
+    def submit(self, **kw) -> str:
+        kw.setdefault("model", self.model)
+        if not any(k in kw for k in ("prompt", "messages", "prompt_ids")):
+            kw["prompt_ids"] = [5, 17, 33, 41, 7, 9]
+        kw.setdefault("temperature", 0)
+        job, created = jobs.submit(self.db, self.redis, self.settings, self.tenant, JobCreate(**kw))
+        assert created
+        return job.id
+
+    def job(self, job_id: str) -> Job:
+        with self.db() as s:
+            return s.get(Job, job_id)
+
+    def statuses(self, ids) -> dict[str, str]:
+        with self.db() as s:
+            return dict(s.execute(select(Job.id, Job.status).where(Job.id.in_(list(ids)))).all())
+
+    def wait_status(self, ids, statuses=TERMINAL, timeout=60.0) -> dict[str, str]:
+        ids = list(ids)
+        return wait_for(lambda: (st := self.statuses(ids)) and all(v in statuses for v in st.values()) and st,
+                        timeout, what=f"jobs to reach {statuses}: {self.statuses(ids)}")
+
+    def rows(self, job_id: str) -> tuple[list[Result], list[UsageEntry]]:
+        with self.db() as s:
+            return (s.scalars(select(Result).where(Result.job_id == job_id)).all(),
+                    s.scalars(select(UsageEntry).where(UsageEntry.job_id == job_id)).all())
+
+    def assert_one_result(self, job_id: str) -> tuple[Result, UsageEntry]:
+        results, ledger = self.rows(job_id)
+        assert len(results) == 1 and len(ledger) == 1, (job_id, results, ledger)
+        return results[0], ledger[0]
+
+    def stats(self, worker: WorkerProcess) -> dict[str, str]:
+        raw = self.redis.hgetall(jobs.worker_key(self.prefix, worker.name))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.redis.close()
+        self.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def svc(pg_url, private_redis, tiny_model, tmp_path_factory):  # noqa: F811
+    s = Service(pg_url, private_redis.url, tiny_model, tmp_path_factory.mktemp("svc"))
+    s.main = s.start_worker()
+    yield s
+    s.close()
+
+
+def _dump_logs(service: Service) -> str:
+    return "\n".join(f"--- {w.name}\n" + w.log_text()[-4000:] for w in service.workers)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one long-lived worker
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_end_to_end(svc):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(svc.settings.model)
+    ids = [svc.submit(prompt_ids=[5, 6, 7, 8], max_tokens=12, ignore_eos=True),
+           svc.submit(prompt="Once upon a time", max_tokens=10, tier="batch", seed=3, temperature=0.8),
+           svc.submit(messages=[{"role": "user", "content": "Hello"}], max_tokens=8),
+           svc.submit(prompt_ids=[9, 10, 11], max_tokens=16, ignore_eos=True, tier="batch")]
+    try:
+        assert set(svc.wait_status(ids, timeout=120).values()) == {"succeeded"}
+    finally:
+        if not all(v == "succeeded" for v in svc.statuses(ids).values()):
+            print(_dump_logs(svc))
+    for jid in ids:
+        result, ledger = svc.assert_one_result(jid)
+        job = svc.job(jid)
+        assert job.attempts == 1 and job.worker == svc.main.name
+        assert job.started_at and job.first_token_at and job.finished_at
+        assert ledger.completion_tokens == len(result.token_ids) > 0 and ledger.compute_seconds > 0
+        assert ledger.cost_micros >= 0 and ledger.price_id == job.price_id
+        # the event stream: deltas that add up to the text, then one done event
+        events = svc.redis.xrange(events_key(svc.prefix, jid))
+        kinds = [f[b"event"].decode() for _, f in events]
+        assert kinds[-1] == "done" and kinds.count("done") == 1
+        text = "".join(json.loads(f[b"data"])["text"] for _, f in events if f[b"event"] == b"delta")
+        assert text == result.text
+        assert json.loads(events[-1][1][b"data"])["usage"]["completion_tokens"] == ledger.completion_tokens
+        assert svc.redis.ttl(events_key(svc.prefix, jid)) > 0
+    _, first = svc.assert_one_result(ids[0])
+    assert (first.prompt_tokens, first.completion_tokens) == (4, 12)
+    _, second = svc.assert_one_result(ids[1])
+    assert second.prompt_tokens == len(tok.encode("Once upon a time"))
+    # acknowledged and deleted: nothing pending, nothing left in the streams
+    for tier in ("interactive", "batch"):
+        assert svc.redis.xlen(stream_key(svc.prefix, svc.model, tier)) == 0
+
+
+def test_malformed_messages_are_dead_lettered(svc):
+    stream = stream_key(svc.prefix, svc.model, "interactive")
+    svc.redis.xadd(stream, {"m": b"\xc1not msgpack"})
+    svc.redis.xadd(stream, {"m": msgpack.packb({"v": 99, "job_id": "x"})})
+    svc.redis.xadd(stream, {"other": b"field"})
+    jid = svc.submit(max_tokens=4)
+    svc.wait_status([jid], ("succeeded",))
+    dead = wait_for(lambda: len(svc.redis.xrange(dead_letter_key(svc.prefix))) >= 3 and
+                    svc.redis.xrange(dead_letter_key(svc.prefix)), 10, what="dead letters")
+    errors = [f[b"error"].decode() for _, f in dead]
+    assert any("schema version" in e for e in errors) and any("msgpack" in e for e in errors)
+    assert svc.main.alive()
+    assert svc.redis.xlen(stream) == 0
+
+
+def test_cancel_queued_and_running(svc):
+    running = [svc.submit(max_tokens=LONG, ignore_eos=True) for _ in range(4)]  # fills max_num_seqs=4
+    svc.wait_status(running, ("running",), timeout=30)
+    queued = svc.submit(max_tokens=LONG, ignore_eos=True)  # stays in the stream: no capacity
+    time.sleep(0.3)
+    assert svc.job(queued).status == "queued"
+    assert jobs.cancel(svc.db, svc.redis, svc.settings, queued).status == "cancelled"
+    t0 = time.monotonic()
+    for jid in running:
+        jobs.cancel(svc.db, svc.redis, svc.settings, jid)
+    svc.wait_status(running, ("cancelled",), timeout=20)
+    assert time.monotonic() - t0 < 5  # within a step or so, not after LONG tokens
+    for jid in running:
+        _, ledger = svc.assert_one_result(jid)
+        assert 0 < ledger.completion_tokens < LONG and ledger.compute_seconds > 0  # pays for what ran
+    result, ledger = svc.assert_one_result(queued)
+    assert ledger.completion_tokens == 0 and ledger.cost_micros == 0 and result.finish_reason == "abort"
+    # the cancelled queued job's message is consumed and acknowledged, never run
+    wait_for(lambda: svc.redis.xlen(stream_key(svc.prefix, svc.model, "interactive")) == 0, 10, what="stream drained")
+    assert svc.job(queued).attempts == 0
+
+
+def test_deadlines_in_queue_and_in_flight(svc):
+    blockers = [svc.submit(max_tokens=LONG, ignore_eos=True) for _ in range(3)]
+    svc.wait_status(blockers, ("running",), timeout=30)
+    in_flight = svc.submit(max_tokens=LONG, ignore_eos=True, deadline_seconds=1.5)
+    in_queue = svc.submit(max_tokens=LONG, ignore_eos=True, deadline_seconds=0.5)  # no capacity left
+    svc.wait_status([in_flight, in_queue], ("expired",), timeout=20)
+    _, ledger = svc.assert_one_result(in_flight)
+    assert ledger.completion_tokens > 0 and svc.job(in_flight).first_token_at is not None
+    _, ledger = svc.assert_one_result(in_queue)
+    assert ledger.completion_tokens == 0 and svc.job(in_queue).started_at is None
+    for jid in blockers:
+        jobs.cancel(svc.db, svc.redis, svc.settings, jid)
+    svc.wait_status(blockers, timeout=20)
+
+
+def test_redis_flushall_while_jobs_queued(svc):
+    long_ids = [svc.submit(max_tokens=300, ignore_eos=True) for _ in range(4)]
+    queued = [svc.submit(max_tokens=6, ignore_eos=True, tier=t) for t in ("interactive", "batch", "batch")]
+    svc.wait_status(long_ids, ("running",), timeout=30)
+    svc.redis.flushall()
+    svc.wait_status(long_ids + queued, ("succeeded",), timeout=60)
+    for jid in long_ids + queued:
+        svc.assert_one_result(jid)
+    assert svc.main.alive()
+
+
+def test_ledger_matches_busy_time(svc):
+    ids = [svc.submit(max_tokens=40 + 10 * i, ignore_eos=True, tier=("batch" if i % 2 else "interactive"))
+           for i in range(6)]
+    svc.wait_status(ids, ("succeeded",), timeout=60)
+    # every job this worker ran so far (all tests above) is in the ledger; compare at a quiet moment
+    wait_for(lambda: svc.stats(svc.main).get("in_flight") == "0", 10, what="worker idle")
+    time.sleep(0.5)
+    busy = float(svc.stats(svc.main)["busy_seconds"])
+    with svc.db() as s:
+        total, prompt, completion = s.execute(
+            select(func.sum(UsageEntry.compute_seconds), func.sum(UsageEntry.prompt_tokens),
+                   func.sum(UsageEntry.completion_tokens))
+            .join(Job, Job.id == UsageEntry.job_id).where(Job.worker == svc.main.name)).one()
+        results = s.scalars(select(Result).join(Job, Job.id == Result.job_id)
+                            .where(Job.worker == svc.main.name)).all()
+    assert busy > 0 and total == pytest.approx(busy, rel=0.01)
+    assert completion == sum(len(r.token_ids or []) for r in results)
+    for jid in ids:
+        _, ledger = svc.assert_one_result(jid)
+        assert ledger.prompt_tokens == 6
+    # SIGTERM with nothing in flight: clean exit
+    assert svc.main.terminate(30) == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# faults with their own workers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_kill9_worker_jobs_finish_elsewhere(pg_url, private_redis, tiny_model, tmp_path):  # noqa: F811
+    svc = Service(pg_url, private_redis.url, tiny_model, tmp_path, max_num_seqs=3)
+    try:
+        a = svc.start_worker()
+        ids = [svc.submit(max_tokens=LONG, ignore_eos=True) for _ in range(3)]
+        svc.wait_status(ids, ("running",), timeout=60)
+        b = svc.start_worker()
+        more = [svc.submit(max_tokens=20, ignore_eos=True) for _ in range(2)]
+        a.kill9()
+        assert set(svc.wait_status(ids + more, timeout=90).values()) == {"succeeded"}, _dump_logs(svc)
+        for jid in ids:
+            svc.assert_one_result(jid)
+            job = svc.job(jid)
+            assert job.worker == b.name and job.attempts == 2
+        for jid in more:
+            svc.assert_one_result(jid)
+        with svc.db() as s:
+            assert s.scalar(select(func.count()).select_from(Job).where(
+                Job.tenant_id == svc.tenant.id, Job.status == "running")) == 0
+        assert b.terminate(30) == 0
+        print(_dump_logs(svc))
+    finally:
+        svc.close()
+
+
+def test_postgres_outage_and_sigterm_hand_back(pg_url, private_redis, tiny_model, tmp_path):  # noqa: F811
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    svc = Service(pg_url, private_redis.url, tiny_model, tmp_path, shutdown_grace_seconds=0.5)
+    try:
+        w = svc.start_worker(database_url=proxied)
+        ids = [svc.submit(max_tokens=600, ignore_eos=True) for _ in range(3)]
+        svc.wait_status(ids, ("running",), timeout=60)
+        proxy.cut()
+        during = [svc.submit(max_tokens=10, ignore_eos=True) for _ in range(2)]  # accepted meanwhile
+        time.sleep(3)
+        assert all(v == "running" for v in svc.statuses(ids).values())
+        proxy.restore()
+        assert set(svc.wait_status(ids + during, timeout=60).values()) == {"succeeded"}, _dump_logs(svc)
+        for jid in ids + during:
+            svc.assert_one_result(jid)
+            assert svc.job(jid).attempts == 1
+        assert "database unavailable" in w.log_text()
+        # SIGTERM with jobs in flight: they go back to the queue, the worker exits 0
+        back = [svc.submit(max_tokens=LONG, ignore_eos=True) for _ in range(2)]
+        svc.wait_status(back, ("running",), timeout=30)
+        assert w.terminate(30) == 0
+        assert set(svc.statuses(back).values()) == {"queued"}
+        for jid in back:
+            assert svc.rows(jid) == ([], [])
+        queued_msgs = svc.redis.xrange(stream_key(svc.prefix, svc.model, "interactive"))
+        assert {msgpack.unpackb(f[b"m"])["job_id"] for _, f in queued_msgs} >= set(back)
+    finally:
+        proxy.close()
+        svc.close()
