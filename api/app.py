@@ -20,8 +20,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api import metrics
 from api.auth import KeyCache
+from api.errors import first_line, install_handlers
 from api.health import RedisHealth
-from api.errors import install_handlers
 from api.schemas import Health, Readiness
 from api.validation import NO_NUL_PATTERN
 from inferq.db import make_engine, make_sessionmaker
@@ -150,11 +150,11 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
             with state.engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
         except Exception as exc:
-            checks["database"] = f"unreachable: {str(getattr(exc, 'orig', None) or exc).strip().splitlines()[0][:300]}"
+            checks["database"] = f"unreachable: {first_line(exc)}"
         try:
             state.redis.ping()
         except Exception as exc:
-            checks["redis"] = f"unreachable: {str(exc)[:300]}"
+            checks["redis"] = f"unreachable: {first_line(exc)}"
         ok = all(v == "ok" for v in checks.values())
         return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503)
 

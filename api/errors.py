@@ -83,9 +83,14 @@ def validation_fields(errors: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (a DBAPI error's own message when wrapped), <= 300 chars."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
 def db_unavailable_reason(exc: BaseException) -> str:
-    first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"database unavailable: {first[:300]}"
+    return f"database unavailable: {first_line(exc)}"
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -109,7 +114,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(sa_exc.DataError)
     async def _data(_: Request, exc: sa_exc.DataError) -> JSONResponse:
         # a value PostgreSQL cannot store (e.g. a NUL character in a text field): the client's input
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else "invalid value"
+        reason = first_line(exc)
         return _json(422, "validation_error", f"value rejected by the database: {reason}",
                      [{"field": "body", "reason": reason}])
 
@@ -122,7 +127,7 @@ def install_handlers(app: FastAPI) -> None:
 
     async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable", error=str(exc)[:300])
-        return _json(503, "unavailable", f"redis unavailable: {str(exc)[:300]}", headers={"Retry-After": "5"})
+        return _json(503, "unavailable", f"redis unavailable: {first_line(exc)}", headers={"Retry-After": "5"})
 
-    for cls in (redis_exc.ConnectionError, redis_exc.TimeoutError, redis_exc.BusyLoadingError):
-        app.add_exception_handler(cls, _redis_down)
+    for rcls in (redis_exc.ConnectionError, redis_exc.TimeoutError, redis_exc.BusyLoadingError):
+        app.add_exception_handler(rcls, _redis_down)

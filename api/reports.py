@@ -57,9 +57,28 @@ def parse_when(value: str | dt.date | dt.datetime | None, name: str) -> dt.datet
             t = dt.datetime.fromisoformat(s[:-1] + "+00:00" if s.endswith(("Z", "z")) else s)
         except ValueError as exc:
             raise ReportError(f"{name}: not a date or ISO 8601 datetime: {value!r}") from exc
+    return to_utc(t)
+
+
+_MIN = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+_MAX = dt.datetime.max.replace(tzinfo=dt.timezone.utc)
+
+
+def to_utc(t: dt.datetime) -> dt.datetime:
+    """Aware UTC (naive means UTC), clamped to the representable range instead of overflowing."""
     if t.tzinfo is None:
         t = t.replace(tzinfo=dt.timezone.utc)
-    return t.astimezone(dt.timezone.utc)
+    try:
+        return t.astimezone(dt.timezone.utc)
+    except OverflowError:
+        return _MIN if t.year < 2 else _MAX
+
+
+def shift(t: dt.datetime, delta: dt.timedelta) -> dt.datetime:
+    try:
+        return t + delta
+    except OverflowError:
+        return _MIN if delta < dt.timedelta(0) else _MAX
 
 
 def _day_expr(session: Session) -> ColumnElement[Any]:
@@ -72,7 +91,7 @@ def usage_report(session: Session, *, since: dt.datetime, until: dt.datetime, gr
                  tenant_id: str | None = None) -> list[dict[str, Any]]:
     """Sums over ledger rows with ``since <= created_at < until`` (an empty window gives no rows) (optionally one tenant), grouped by the
     given columns (subset of day, model, tier, tenant), ordered by them."""
-    cols: dict[str, ColumnElement[Any]] = {
+    cols: dict[str, Any] = {
         "day": _day_expr(session), "model": UsageEntry.model, "tier": UsageEntry.tier, "tenant": Tenant.name,
     }
     group_cols = [cols[g].label(g) for g in group_by]
@@ -113,7 +132,7 @@ def _row(keys: dict[str, Any], r: Any) -> dict[str, Any]:
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    acc = {k: 0 for k in ("jobs", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "cost_micros")}
+    acc: dict[str, Any] = {k: 0 for k in ("jobs", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "cost_micros")}
     secs = 0.0
     for r in rows:
         for k in acc:
@@ -154,8 +173,8 @@ def to_table(report: dict[str, Any]) -> str:
     if not rows:
         rows.append(["" for _ in cols])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     for r in rows:
-        lines.append("  ".join(v.rjust(w) if v[:1].isdigit() else v.ljust(w) for v, w in zip(r, widths)))
+        lines.append("  ".join(v.rjust(w) if v[:1].isdigit() else v.ljust(w) for v, w in zip(r, widths, strict=True)))
     return "\n".join(lines)

@@ -17,9 +17,10 @@ from api.auth import Principal, require_key
 from api.errors import ApiError, invalid, not_found, too_many
 from api.events import job_events
 from api.metrics import REJECTED, SSE_STREAMS, SUBMITTED
+from api.reports import to_utc
 from api.schemas import ErrorResponse, JobList, JobResponse, JobStatus
-from api.views import get_job_view, job_view
 from api.validation import body_errors
+from api.views import get_job_view, job_view
 from inferq import jobs
 from inferq.contract import JobCreate
 from inferq.db import Job, Result, UsageEntry
@@ -32,8 +33,8 @@ AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "Missing, invalid or revoked API key."},
     503: {"model": ErrorResponse, "description": "The database or Redis is unreachable (the reason is given)."},
 }
-NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job for this tenant (other tenants' jobs are 404 too)."}}
-INVALID = {422: {"model": ErrorResponse, "description": "Invalid parameters: `error.fields` lists each field and why."}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorResponse, "description": "No such job for this tenant (other tenants' jobs are 404 too)."}}
+INVALID: dict[int | str, dict[str, Any]] = {422: {"model": ErrorResponse, "description": "Invalid parameters: `error.fields` lists each field and why."}}
 
 
 def _state(request: Request) -> Any:
@@ -127,7 +128,7 @@ def decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         created, job_id = json.loads(raw)
         t = dt.datetime.fromisoformat(created)
         uuid.UUID(job_id)
-        return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)), job_id
+        return to_utc(t), job_id
     except Exception:
         raise invalid("query.cursor", "not a cursor returned by this endpoint") from None
 
@@ -153,8 +154,7 @@ def list_jobs(
     if status is not None:
         stmt = stmt.where(Job.status == status)
     if since is not None:
-        if since.tzinfo is None:
-            since = since.replace(tzinfo=dt.timezone.utc)
+        since = to_utc(since)
         stmt = stmt.where(Job.created_at >= since)
     if cursor:
         c_time, c_id = decode_cursor(cursor)

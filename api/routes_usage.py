@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -11,14 +11,14 @@ from sqlalchemy import select
 
 from api.auth import Principal, require_admin, require_key
 from api.errors import invalid, not_found
-from api.reports import ReportError, build_report, parse_group_by, parse_when, to_csv
+from api.reports import ReportError, build_report, parse_group_by, parse_when, shift, to_csv
 from api.routes_jobs import AUTH_ERRORS, INVALID
 from api.schemas import ErrorResponse, UsageReport
 from inferq.db import Tenant, utcnow
 
 router = APIRouter(prefix="/v1", tags=["usage"])
 
-_CSV = {"text/csv": {"schema": {"type": "string"}, "example":
+_CSV: dict[str, Any] = {"text/csv": {"schema": {"type": "string"}, "example":
                      "day,model,jobs,prompt_tokens,cached_prompt_tokens,completion_tokens,total_tokens,"
                      "compute_seconds,cost_micros,cost_dollars\n2026-01-05,smollm2-135m-instruct,2,70,0,16,86,0.16,14,0.000014\n"}}
 FROM_Q = Query(alias="from", description="Start (inclusive): a date (YYYY-MM-DD, UTC) or ISO 8601 datetime. "
@@ -35,7 +35,7 @@ def _groups_pattern(*names: str) -> str:
 def _window(from_: dt.datetime | dt.date | None, to: dt.datetime | dt.date | None) -> tuple[dt.datetime, dt.datetime]:
     try:
         until = parse_when(to, "query.to") or utcnow()
-        since = parse_when(from_, "query.from") or until - dt.timedelta(days=30)
+        since = parse_when(from_, "query.from") or shift(until, -dt.timedelta(days=30))
     except ReportError as exc:
         field, _, reason = str(exc).partition(": ")
         raise invalid(field, reason) from None

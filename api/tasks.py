@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from api.auth import lookup_key
 from api.errors import validation_fields
-from api.views import get_job_view
 from api.validation import body_errors
+from api.views import get_job_view
 from inferq import jobs
 from inferq.contract import JobCreate, events_key
 from inferq.db import TERMINAL_STATUSES, make_engine, make_sessionmaker
@@ -119,7 +119,7 @@ def wait_for_job(res: _Resources, job_id: str, timeout: float) -> dict[str, Any]
             raise JobTimeout(f"job {job_id} not finished after {timeout:g} s (status {view['status']}); "
                              f"it keeps running: poll GET /v1/jobs/{job_id}")
         try:
-            resp = res.redis.xread({key: last}, count=1000, block=int(min(left, 2.0) * 1000))
+            resp: Any = res.redis.xread({key: last}, count=1000, block=int(min(left, 2.0) * 1000))
         except Exception:
             time.sleep(min(left, 1.0))
             continue

@@ -60,7 +60,10 @@ class UnsafeURL(ValueError):
     """A webhook URL that is malformed or points at a non-public address."""
 
 
-def _allowed(host: str, addrs: list[ipaddress._BaseAddress], allowlist: list[str]) -> bool:
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _allowed(host: str, addrs: list[IPAddress], allowlist: list[str]) -> bool:
     host = host.lower().rstrip(".")
     nets = []
     for entry in allowlist:
@@ -76,13 +79,13 @@ def _allowed(host: str, addrs: list[ipaddress._BaseAddress], allowlist: list[str
     return bool(addrs) and bool(nets) and all(any(a in n for n in nets if a.version == n.version) for a in addrs)
 
 
-def _public(addr: ipaddress._BaseAddress) -> bool:
+def _public(addr: IPAddress) -> bool:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return addr.is_global and not addr.is_multicast
 
 
-def resolve(host: str, port: int) -> list[ipaddress._BaseAddress]:
+def resolve(host: str, port: int) -> list[IPAddress]:
     try:
         return [ipaddress.ip_address(host.strip("[]"))]
     except ValueError:
@@ -91,10 +94,10 @@ def resolve(host: str, port: int) -> list[ipaddress._BaseAddress]:
         infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError, OSError) as exc:
         raise UnsafeURL(f"host {host!r} does not resolve ({exc})") from exc
-    out = []
+    out: list[IPAddress] = []
     for info in infos:
         try:
-            out.append(ipaddress.ip_address(info[4][0].split("%", 1)[0]))
+            out.append(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]))
         except ValueError:
             continue
     if not out:
@@ -239,7 +242,7 @@ class WebhookDispatcher:
                 check_webhook_url(claimed.url, self.settings.allowlist)  # again: DNS may have changed
             except UnsafeURL as exc:
                 error, permanent = f"refused: {exc}", True
-        if error is None:
+        if error is None and tenant is not None:
             ts = int(time.time())
             headers = {
                 "Content-Type": "application/json",

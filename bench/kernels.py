@@ -374,11 +374,11 @@ class Bench:
         outputs: dict[str, dict[str, list[int]]] = {}
         for backend in ("triton", "torch"):
             try:
-                settings = load_settings(device="cuda", dtype=args.dtype, max_num_seqs=max(64, args.e2e_requests),
+                settings = load_settings(device=self.dev.type, dtype=args.dtype, max_num_seqs=max(64, args.e2e_requests),
                                          max_batched_tokens=4096, kv_cache_memory="8GiB")
                 model_dir = resolve_model(settings.model, settings)
                 runner = ModelRunner(
-                    model_dir, dtype=settings.dtype, device="cuda", kv_cache_bytes=settings.kv_cache_bytes,
+                    model_dir, dtype=settings.dtype, device=self.dev.type, kv_cache_bytes=settings.kv_cache_bytes,
                     block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
                     max_batched_tokens=settings.max_batched_tokens, attention_backend=backend,
                     max_model_len=settings.max_model_len,

@@ -32,7 +32,6 @@ masked); any block size works (tiles gather token rows through the block table).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -59,7 +58,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether this module's kernels were decorated for the Triton interpreter (TRITON_INTERPRET=1 when
+    triton was imported): decided once, at import, like the kernels themselves."""
+    return _INTERPRETED
 
 
 @functools.lru_cache(maxsize=16)
@@ -149,6 +150,9 @@ def _write_kv_cache_kernel(
     )
 
 
+_INTERPRETED = not isinstance(_write_kv_cache_kernel, triton.runtime.jit.JITFunction)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -230,6 +234,7 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """One K/V tile of BLOCK_N tokens starting at n0: gather rows through the block table, update the
     running max ``m_i``, sum ``l_i`` and output ``acc`` (log2 domain; scores scaled by qk_scale)."""
@@ -244,9 +249,15 @@ def _attend_tile(
     k_ptrs = k_cache_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh + d[:, None]
     v_ptrs = v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :]
     if BOUNDS:
-        k = tl.load(k_ptrs, mask=nmask[None, :] & dmask[:, None], other=0.0)
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=nmask[None, :] & dmask[:, None], other=0.0)
     else:
-        k = tl.load(k_ptrs, mask=dmask[:, None], other=0.0)
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=dmask[:, None], other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
     qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
@@ -259,9 +270,15 @@ def _attend_tile(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if BOUNDS:
-        v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+        if EVEN_D:
+            v = tl.load(v_ptrs, mask=nmask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
     else:
-        v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
+        if EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
     if DOT_F32:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -311,6 +328,7 @@ def _decode_kernel(
     USE_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -341,13 +359,13 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_ptr, n0, end, m_i, kvh, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, dmask,
-            BLOCK_N, BLOCK_D, False, False, DOT_PRECISION, DOT_F32,
+            BLOCK_N, BLOCK_D, False, False, DOT_PRECISION, DOT_F32, EVEN_D,
         )
     for n0 in range(full_end, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_ptr, n0, end, m_i, kvh, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, dmask,
-            BLOCK_N, BLOCK_D, True, False, DOT_PRECISION, DOT_F32,
+            BLOCK_N, BLOCK_D, True, False, DOT_PRECISION, DOT_F32, EVEN_D,
         )
 
     omask = gmask[:, None] & dmask[None, :]
@@ -413,15 +431,24 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + s * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+# Split-K heuristic (tune with `python -m bench.kernels --sweep` on the target GPU): aim for this many
+# decode programs (CTAs of 4 warps) per SM so that enough loads are in flight to approach peak memory
+# bandwidth, without making a partition shorter than _MIN_PARTITION tokens.
+_SPLIT_CTAS_PER_SM = 4
+_MIN_PARTITION = 256
+_MAX_SPLITS = 256
+
+
 def default_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device, min_partition: int = 256
+    num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device, min_partition: int = _MIN_PARTITION
 ) -> int:
-    """Enough partitions that ``num_seqs * num_kv_heads * splits`` covers ~2 waves of SMs, without making
-    partitions shorter than ``min_partition`` tokens."""
+    """Number of context partitions for a decode batch: enough that ``num_seqs * num_kv_heads * splits``
+    programs give every SM ~``_SPLIT_CTAS_PER_SM`` of them, but partitions no shorter than
+    ``min_partition`` tokens (a big batch or a short context gets 1: no split, no reduce kernel)."""
     programs = max(1, num_seqs * num_kv_heads)
-    target = 2 * _num_sms(device)
+    target = _SPLIT_CTAS_PER_SM * _num_sms(device)
     splits = _cdiv(target, programs)
-    return int(max(1, min(splits, _cdiv(max(1, max_context), min_partition), 256)))
+    return int(max(1, min(splits, _cdiv(max(1, max_context), min_partition), _MAX_SPLITS)))
 
 
 def paged_decode_attention(
@@ -468,9 +495,7 @@ def paged_decode_attention(
     BLOCK_G = max(16, _next_pow2(group))
     BLOCK_D = max(16, _next_pow2(D))
     if block_n is None:
-        block_n = 64 if BLOCK_D <= 64 else 32
-        if _interpreting():
-            block_n = 64
+        block_n = 64 if BLOCK_D <= 128 else 32
     BLOCK_N = max(16, _next_pow2(block_n))
 
     max_ctx = int(max_seq_len) if max_seq_len is not None else block_tables.shape[1] * block_size
@@ -481,6 +506,8 @@ def paged_decode_attention(
     partition_size = _cdiv(_cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
     num_splits = _cdiv(max_ctx, partition_size)
     use_splits = num_splits > 1
+    if not use_splits:  # one partition: let it span the whole block table, whatever max_seq_len said
+        partition_size = max(partition_size, block_tables.shape[1] * block_size)
 
     qk_scale = float(scale) * _LOG2E
     if use_splits:
@@ -526,6 +553,7 @@ def paged_decode_attention(
         USE_SPLITS=use_splits,
         DOT_PRECISION=_dot_precision(query.dtype),
         DOT_F32=_dot_f32(query.dtype),
+        EVEN_D=BLOCK_D == D,
         num_warps=4,
         num_stages=2,
     )
@@ -588,6 +616,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     qb = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
@@ -632,7 +661,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_ptr, n0, seq_len, row_pos, kvh, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, dmask,
-            BLOCK_N, BLOCK_D, False, False, DOT_PRECISION, DOT_F32,
+            BLOCK_N, BLOCK_D, False, False, DOT_PRECISION, DOT_F32, EVEN_D,
         )
     # The diagonal region: causal mask (which also bounds keys by seq_len).
     hi = tl.minimum(seq_len, ctx_len + tile_start + BLOCK_Q)
@@ -640,7 +669,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_ptr, n0, hi, row_pos, kvh, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, dmask,
-            BLOCK_N, BLOCK_D, True, True, DOT_PRECISION, DOT_F32,
+            BLOCK_N, BLOCK_D, True, True, DOT_PRECISION, DOT_F32, EVEN_D,
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -700,7 +729,7 @@ def paged_prefill_attention(
     if block_m is None:
         block_m = 64
     if block_n is None:
-        block_n = 64 if BLOCK_D <= 64 else 32
+        block_n = 64 if BLOCK_D <= 128 else 32
     BLOCK_M = max(16, _next_pow2(block_m), BLOCK_G)
     BLOCK_Q = max(1, BLOCK_M // BLOCK_G)
     # Don't make tiles of mostly-padding tokens for short (e.g. decode) chunks.
@@ -738,6 +767,7 @@ def paged_prefill_attention(
         BLOCK_N=BLOCK_N,
         DOT_PRECISION=_dot_precision(query.dtype),
         DOT_F32=_dot_f32(query.dtype),
+        EVEN_D=BLOCK_D == D,
         num_warps=4,
         num_stages=2,
     )

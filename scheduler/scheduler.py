@@ -58,7 +58,8 @@ class Scheduler:
         max_len = req.max_model_len or self.config.max_model_len
         if max_len and req.num_prompt_tokens > max_len:
             return f"prompt has {req.num_prompt_tokens} tokens, more than the model's context of {max_len}"
-        need = cdiv(req.max_total_tokens - 1, self.bm.block_size)  # the last sampled token needs no KV
+        # Every prompt token needs KV; of the outputs, all but the last sampled one.
+        need = cdiv(max(req.num_prompt_tokens, req.max_total_tokens - 1), self.bm.block_size)
         if need > self.bm.num_blocks:
             return (f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) needs "
                     f"{need} KV blocks but the whole cache has {self.bm.num_blocks} blocks of "
@@ -141,18 +142,19 @@ class Scheduler:
         wait_i, wait_b = self.waiting[Tier.INTERACTIVE], self.waiting[Tier.BATCH]
         # Batch never starves: while it has work, it keeps `reserve` tokens of every step, its head
         # request is never preempted by interactive work, and interactive admissions leave free the
-        # blocks the head needs for its next `reserve` tokens.
+        # blocks (and, if the head waits, the seat) the head needs for its next `reserve` tokens.
         budget = self.config.max_batched_tokens
         head = run_b[0] if run_b else (wait_b[0] if wait_b and self._admissible(wait_b[0]) else None)
-        reserve = head_blocks = 0
+        reserve = head_blocks = seats = 0
         if head is not None and self.config.batch_min_share > 0:
             reserve = max(1, int(self.config.batch_min_share * budget))
             n = min(head.num_tokens - head.num_computed_tokens, reserve)
             head_blocks = self.bm.blocks_needed(head, n) if head.block_table else cdiv(n, self.bm.block_size)
+            seats = int(not head.block_table and self.config.max_num_seqs > 1)
         done: set[int] = set()  # ids of requests scheduled or preempted this step
 
         used = self._run(run_i, budget - reserve, out, done, protect=head)
-        used += self._admit(wait_i, budget - reserve - used, out, done, protect=head, reserve=head_blocks)
+        used += self._admit(wait_i, budget - reserve - used, out, done, protect=head, reserve=head_blocks, seats=seats)
         used += self._run([r for r in run_b if r.status is RequestStatus.RUNNING], budget - used, out, done)
         self._admit(wait_b, budget - used, out, done)
         return out
@@ -179,23 +181,27 @@ class Scheduler:
         return used
 
     def _admit(self, queue: list[Request], budget: int, out: SchedulerOutput, done: set[int],
-               protect: Request | None = None, reserve: int = 0) -> int:
-        """Admit waiting requests in order (no overtaking: a head that does not fit blocks its queue)."""
-        used = 0
-        while queue and budget - used > 0 and len(self.running) < self.config.max_num_seqs:
-            req = queue[0]
-            if id(req) in done or not self._admissible(req):
+               protect: Request | None = None, reserve: int = 0, seats: int = 0) -> int:
+        """Admit waiting requests in order (no overtaking: a head that does not fit blocks its queue),
+        leaving ``reserve`` blocks and ``seats`` running slots free."""
+        used = i = 0
+        while i < len(queue) and budget - used > 0 and len(self.running) < self.config.max_num_seqs - seats:
+            req = queue[i]
+            if not self._admissible(req):  # static policy: only the current cohort
+                i += 1
+                continue
+            if id(req) in done:
                 break
             hit = self.bm.lookup(req)
             n = min(req.num_tokens - hit.num_tokens, budget - used)
             # Only interactive admissions may preempt (batch ones), never the protected batch head.
-            while not self.bm.can_allocate(req, n, hit, reserve=reserve if req is not protect else 0):
+            while not self.bm.can_allocate(req, n, hit, reserve=reserve):
                 victim = self._victim(req, done, protect, batch_only=True) if req.tier is Tier.INTERACTIVE else None
                 if victim is None:
                     return used
                 self._preempt(victim, out, done)
             self.bm.allocate(req, n, hit)
-            queue.pop(0)
+            queue.pop(i)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))

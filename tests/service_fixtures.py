@@ -185,7 +185,7 @@ class TcpProxy:
 class WorkerProcess:
     """``python -m worker.service`` with INFERQ_* settings in its environment; stderr goes to a log file."""
 
-    def __init__(self, env_settings: dict[str, Any], log_path: Path, name: str) -> None:
+    def __init__(self, env_settings: dict[str, Any], log_path: Path, name: str, args: list[str] | None = None) -> None:
         env = dict(os.environ)
         env.update({f"INFERQ_{k.upper()}": str(v) for k, v in env_settings.items()})
         env["INFERQ_WORKER_NAME"] = name
@@ -193,14 +193,15 @@ class WorkerProcess:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.service"], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.service", *(args or [])], cwd=ROOT, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def terminate(self, timeout: float = 30) -> int:

@@ -68,8 +68,8 @@ def generate(
         ordered[i] = r
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", encoding="utf-8") as f:
-        for r in ordered:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        for row in ordered:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     st = llm.engine.stats.to_dict()
     n_err = sum(1 for r in ordered if r and "error" in r)
     if stats is not None:

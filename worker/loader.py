@@ -90,7 +90,9 @@ def _generation_eos(model_dir: Path) -> tuple[int, ...]:
     return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
 
-def model_info(model_dir: str | Path, *, dtype: str | None = None, config: ModelConfig | None = None) -> ModelInfo:
+def model_info(
+    model_dir: str | Path, *, dtype: str | None = None, config: ModelConfig | None = None
+) -> ModelInfo:
     model_dir = Path(model_dir)
     cfg = config or load_config(model_dir)
     eos: list[int] = []
@@ -149,7 +151,9 @@ def _gguf_source(known: KnownModel) -> Path:
         found = sorted(Path(loc).glob(known.gguf_glob))
         if found:
             return found[0]
-    raise ModelError(f"no {known.gguf_glob} file in package {known.package} ({list(spec.submodule_search_locations)})")
+    raise ModelError(
+        f"no {known.gguf_glob} file in package {known.package} ({list(spec.submodule_search_locations)})"
+    )
 
 
 def _is_converted(target: Path) -> bool:
@@ -174,11 +178,13 @@ def _load_gguf_model(gguf: Path):
     config = AutoConfig.from_pretrained(folder, gguf_file=fname)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    result = model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
+    result = model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
     missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or result.unexpected_keys:
-        raise ModelError(f"{gguf}: GGUF tensors do not match the model (missing {missing[:5]}, "
-                         f"unexpected {result.unexpected_keys[:5]})")
+        raise ModelError(
+            f"{gguf}: GGUF tensors do not match the model (missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]})"
+        )
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
@@ -252,7 +258,9 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, settings: Any =
     path = Path(name).expanduser()
     if not path.exists() and os.sep not in name and not name.startswith("."):
         known = ", ".join(sorted(KNOWN_MODELS))
-        raise ModelError(f"unknown model {name!r}: not a known name ({known}) and no directory {path.resolve()}")
+        raise ModelError(
+            f"unknown model {name!r}: not a known name ({known}) and no directory {path.resolve()}"
+        )
     return check_model_dir(path.resolve())
 
 
@@ -267,8 +275,13 @@ def list_models(settings: Any = None) -> list[dict[str, Any]]:
     for key, known in KNOWN_MODELS.items():
         target = cache / key
         converted = _is_converted(target)
-        entry: dict[str, Any] = {"name": key, "path": str(target), "converted": converted,
-                                 "size": _dir_size(target) if converted else None, "source": None}
+        entry: dict[str, Any] = {
+            "name": key,
+            "path": str(target),
+            "converted": converted,
+            "size": _dir_size(target) if converted else None,
+            "source": None,
+        }
         try:
             src = _gguf_source(known)
             entry["source"] = str(src)
@@ -281,5 +294,7 @@ def list_models(settings: Any = None) -> list[dict[str, Any]]:
         for d in sorted(cache.iterdir()):
             if d.name in KNOWN_MODELS or d.name.startswith(".") or not (d / "config.json").is_file():
                 continue
-            out.append({"name": d.name, "path": str(d), "converted": True, "size": _dir_size(d), "source": None})
+            out.append(
+                {"name": d.name, "path": str(d), "converted": True, "size": _dir_size(d), "source": None}
+            )
     return out

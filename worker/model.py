@@ -178,8 +178,10 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
-    """"auto" is float32 on CPU and the checkpoint's half dtype (default bfloat16) on CUDA."""
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None
+) -> torch.dtype:
+    """``"auto"`` is float32 on CPU and the checkpoint's half dtype (default bfloat16) on CUDA."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -261,8 +263,15 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 class CausalLM:
     """Llama/Qwen2/Mistral decoder with fused projections, run on a flattened batch."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                 device: torch.device, where: str = "checkpoint") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        where: str = "checkpoint",
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -271,7 +280,7 @@ class CausalLM:
         w: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             if name.startswith("model."):
-                name = name[len("model."):]
+                name = name[len("model.") :]
             w[name] = t
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
@@ -291,7 +300,9 @@ class CausalLM:
 
         self.embed = take("embed_tokens.weight")
         if self.embed.shape[0] < c.vocab_size:
-            raise ModelError(f"{where}: embedding has {self.embed.shape[0]} rows, config vocab_size {c.vocab_size}")
+            raise ModelError(
+                f"{where}: embedding has {self.embed.shape[0]} rows, config vocab_size {c.vocab_size}"
+            )
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"layers.{i}."
@@ -300,9 +311,14 @@ class CausalLM:
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    w_qkv=cat(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
-                    b_qkv=cat(take(a + "q_proj.bias", c.qkv_bias), take(a + "k_proj.bias", c.qkv_bias),
-                              take(a + "v_proj.bias", c.qkv_bias)),
+                    w_qkv=cat(
+                        take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")
+                    ),
+                    b_qkv=cat(
+                        take(a + "q_proj.bias", c.qkv_bias),
+                        take(a + "k_proj.bias", c.qkv_bias),
+                        take(a + "v_proj.bias", c.qkv_bias),
+                    ),
                     w_o=take(a + "o_proj.weight"),
                     b_o=take(a + "o_proj.bias", False),
                     post_norm=take(p + "post_attention_layernorm.weight"),
@@ -315,7 +331,9 @@ class CausalLM:
             q_out = c.num_heads * c.head_dim
             kv_out = c.num_kv_heads * c.head_dim
             if self.layers[-1].w_qkv.shape[0] != q_out + 2 * kv_out:
-                raise ModelError(f"{where}: layer {i} attention weights do not match the config's head counts")
+                raise ModelError(
+                    f"{where}: layer {i} attention weights do not match the config's head counts"
+                )
         self.norm = take("norm.weight")
         lm_head = w.pop("lm_head.weight", None)
         if lm_head is None:
@@ -327,15 +345,17 @@ class CausalLM:
             self.lm_head = self.embed if c.tie_word_embeddings else lm_head.to(device=device, dtype=dtype)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.head_dim**-0.5
         self.inv_freq = rope_inv_freq(c).to(device)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope_cache(min(c.max_model_len, 8192))
         self._fast_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
+        self._contiguous_qkv = device.type != "cpu"
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "auto",
-                        device: str | torch.device = "auto") -> CausalLM:
+    def from_pretrained(
+        cls, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
+    ) -> CausalLM:
         model_dir = Path(model_dir)
         config = load_config(model_dir)
         dev = resolve_device(device)
@@ -368,8 +388,10 @@ class CausalLM:
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(c.num_layers)
         ]
 
@@ -413,7 +435,9 @@ class CausalLM:
             qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # RoPE on q and k at once
             q = qk[:, :hq]
             k = qk[:, hq:]
-            v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
+            if self._contiguous_qkv:  # GPU kernels get dense tensors; on CPU the strided views are fine
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             k_cache, v_cache = kv_caches[i]
             backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k, v, k_cache, v_cache, meta)

@@ -10,7 +10,6 @@ The runner never mutates a request.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -73,11 +72,15 @@ class ModelRunner:
         else:
             self.backend = attention_backend
         self.sampler = Sampler(self.device, seed=seed)
-        self._max_pos_needed = 0
         log.info(
             "model runner ready: %s on %s (%s), %d KV blocks of %d tokens, attention %s, threads %d",
-            self.model_dir, self.device, self.info.dtype, self.num_blocks, self.block_size,
-            getattr(self.backend, "name", type(self.backend).__name__), torch.get_num_threads(),
+            self.model_dir,
+            self.device,
+            self.info.dtype,
+            self.num_blocks,
+            self.block_size,
+            getattr(self.backend, "name", type(self.backend).__name__),
+            torch.get_num_threads(),
         )
 
     # -- batch preparation ---------------------------------------------------------------------------
@@ -107,12 +110,15 @@ class ModelRunner:
         total = int(qsl[-1])
 
         ids: list[int] = []
-        for r, c, n in zip(reqs, starts.tolist(), q_lens.tolist()):
+        for r, c, n in zip(reqs, starts.tolist(), q_lens.tolist(), strict=True):
             if n == 1:
-                ids.append(r.output_token_ids[c - r.num_prompt_tokens] if c >= r.num_prompt_tokens
-                           else r.prompt_token_ids[c])
+                ids.append(
+                    r.output_token_ids[c - r.num_prompt_tokens]
+                    if c >= r.num_prompt_tokens
+                    else r.prompt_token_ids[c]
+                )
             else:
-                ids.extend(r.all_token_ids[c:c + n])
+                ids.extend(r.all_token_ids[c : c + n])
 
         bs = self.block_size
         need_blocks = (seq_lens + bs - 1) // bs
@@ -138,17 +144,37 @@ class ModelRunner:
         sample_mask = seq_lens == totals[order]
         sample_rows = np.flatnonzero(sample_mask)
         logits_indices = qsl[1:][sample_rows] - 1
-        return order, reqs, ids, positions, slot_mapping, block_tables, seq_lens, qsl, sample_rows, logits_indices
+        return (
+            order,
+            reqs,
+            ids,
+            positions,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            qsl,
+            sample_rows,
+            logits_indices,
+        )
 
     # -- execution -----------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def execute(self, batch: Sequence[tuple[Request, int]]) -> list[int | None]:
-        """Run one step; the next token for each request that reached its end, else None (caller's order)."""
-        if not batch:
-            return []
-        (order, reqs, ids, positions, slot_mapping, block_tables, seq_lens, qsl, sample_rows,
-         logits_indices) = self._prepare(batch)
+    def _forward(
+        self, batch: Sequence[tuple[Request, int]]
+    ) -> tuple[np.ndarray, list[Request], np.ndarray, torch.Tensor]:
+        """Run the model on one step; returns (order, reordered requests, sampling rows, their logits)."""
+        (
+            order,
+            reqs,
+            ids,
+            positions,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            qsl,
+            sample_rows,
+            logits_indices,
+        ) = self._prepare(batch)
         dev = self.device
         max_pos = int(seq_lens.max()) - 1
         if max_pos >= self.info.max_model_len:
@@ -162,48 +188,43 @@ class ModelRunner:
             device=dev,
             scale=self.model.scale,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(positions).to(dev)
+        # All-prefill-chunk steps sample nothing: an empty index skips the LM head.
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_caches,
+            meta,
+            self.backend,
+            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            max_position=max_pos,
+        )
+        return order, reqs, sample_rows, logits
+
+    @torch.inference_mode()
+    def execute(self, batch: Sequence[tuple[Request, int]]) -> list[int | None]:
+        """Run one step; the next token for each request that reached its end, else None (caller's order)."""
+        if not batch:
+            return []
+        order, reqs, sample_rows, logits = self._forward(batch)
         results: list[int | None] = [None] * len(batch)
         if sample_rows.size == 0:
-            # Nothing to sample (all prefill chunks): skip the LM head entirely.
-            self.model.forward(input_ids, pos_t, self.kv_caches, meta, self.backend,
-                               logits_indices=torch.empty(0, dtype=torch.long, device=dev), max_position=max_pos)
             return results
-        li = torch.from_numpy(logits_indices).to(dev)
-        logits = self.model.forward(input_ids, pos_t, self.kv_caches, meta, self.backend,
-                                    logits_indices=li, max_position=max_pos)
-        sampled_reqs = [reqs[i] for i in sample_rows]
+        sampled = [reqs[i] for i in sample_rows]
         tokens = self.sampler.sample(
-            logits,
-            [r.sampling for r in sampled_reqs],
-            [r.num_output_tokens for r in sampled_reqs],
+            logits, [r.sampling for r in sampled], [r.num_output_tokens for r in sampled]
         )
-        for row, tok in zip(sample_rows.tolist(), tokens):
+        for row, tok in zip(sample_rows.tolist(), tokens, strict=True):
             results[int(order[row])] = int(tok)
         return results
 
-    # -- helpers for tests and tools -------------------------------------------------------------------
-
     @torch.inference_mode()
     def compute_logits(self, batch: Sequence[tuple[Request, int]]) -> list[torch.Tensor | None]:
-        """Like ``execute`` but returns the float32 logits row of each sampling request (no sampling)."""
-        (order, reqs, ids, positions, slot_mapping, block_tables, seq_lens, qsl, sample_rows,
-         logits_indices) = self._prepare(batch)
-        dev = self.device
-        meta = AttentionMetadata.build(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
-                                       query_start_loc=qsl, block_size=self.block_size, device=dev,
-                                       scale=self.model.scale)
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev),
-            self.kv_caches, meta, self.backend, logits_indices=torch.from_numpy(logits_indices).to(dev),
-            max_position=int(seq_lens.max()) - 1,
-        )
+        """Like ``execute`` but returns the float32 logits row of each sampling request (no sampling); for
+        tests and tools."""
+        if not batch:
+            return []
+        order, _, sample_rows, logits = self._forward(batch)
         out: list[torch.Tensor | None] = [None] * len(batch)
         for j, row in enumerate(sample_rows.tolist()):
             out[int(order[row])] = logits[j].cpu()
         return out
-
-
-def default_threads() -> int:
-    return os.cpu_count() or 1

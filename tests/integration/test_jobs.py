@@ -237,10 +237,39 @@ def test_reconcile_requeues_stale_running_and_expires(db, r, cfg):
 
 def test_xadd_failure_after_commit_is_reconciled(db, r, cfg):
     tenant = make_tenant(db)
-    dead = redis_lib.Redis(port=free_port(), socket_connect_timeout=0.5)
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    dead = redis_lib.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     job, created = jobs.submit(db, dead, cfg, tenant, body())
     assert created
     with db() as s:
         assert s.get(Job, job.id).status == "queued"
     assert jobs.reconcile(db, r, cfg, grace_seconds=0).readded >= 1
     assert job.id in stream_ids(r, cfg)
+
+
+def test_lifecycle_on_sqlite(tmp_path, r, cfg):
+    """`inferq up` runs the same code on SQLite."""
+    from inferq.db import Base, make_engine, make_sessionmaker
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'jobs.sqlite'}")
+    Base.metadata.create_all(engine)
+    sq = make_sessionmaker(engine)
+    tenant = make_tenant(sq, tokens_per_minute=1000)
+    job, _ = jobs.submit(sq, r, cfg, tenant, body(deadline_seconds=60), idempotency_key="a")
+    assert jobs.submit(sq, r, cfg, tenant, body(deadline_seconds=60), idempotency_key="a")[0].id == job.id
+    with sq() as s:
+        assert jobs.claim(s, job.id, "w", 10) == (1, False)
+        assert jobs.claim(s, job.id, "w2", 10) is None  # fresh heartbeat: not takeable
+        assert jobs.heartbeat(s, "w", [job.id]) == {job.id: (1, False)}
+        assert jobs.finish(s, job.id, jobs.Outcome(status="succeeded", text="x", completion_tokens=3), attempt=1)
+        s.commit()
+    other, _ = jobs.submit(sq, r, cfg, tenant, body())
+    assert jobs.cancel(sq, r, cfg, other.id).status == "cancelled"
+    r.flushall()
+    third, _ = jobs.submit(sq, r, cfg, tenant, body())
+    r.flushall()
+    assert jobs.reconcile(sq, r, cfg, grace_seconds=0).readded == 1
+    assert stream_ids(r, cfg) == [third.id]
+    engine.dispose()

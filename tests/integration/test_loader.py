@@ -139,7 +139,9 @@ def test_default_model_tokenizer_chat_template_and_eos(smollm_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm_dir)
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert tok.eos_token == "<|im_end|>"
     info = model_info(smollm_dir)
@@ -189,7 +191,9 @@ def test_converted_logits_equal_hf_gguf_loader(smollm_dir):
     gguf = _gguf_source(KNOWN_MODELS[DEFAULT_MODEL])
     ids = torch.tensor([[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198]])
     with torch.no_grad():
-        a = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)(ids).logits
+        a = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)(
+            ids
+        ).logits
         b = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32)(ids).logits
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
@@ -205,18 +209,23 @@ def test_runner_on_default_model_matches_hf_generate(smollm_dir):
     hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
     runner = ModelRunner(smollm_dir, device="cpu", dtype="float32", kv_cache_bytes=64 << 20, block_size=16)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in questions]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     new_tokens = 12
     expected = []
     for p in prompts:
         with torch.no_grad():
             out = hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False)
-        expected.append(out[0, len(p):].tolist())  # stops after EOS (we keep going: compare the prefix)
+        expected.append(out[0, len(p) :].tolist())  # stops after EOS (we keep going: compare the prefix)
     assert any(len(e) == new_tokens for e in expected)
 
-    reqs = [Request(f"r{i}", list(p), SamplingParams(temperature=0, max_tokens=new_tokens)) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(f"r{i}", list(p), SamplingParams(temperature=0, max_tokens=new_tokens))
+        for i, p in enumerate(prompts)
+    ]
     next_block = 0
     for r in reqs:
         need = -(-(r.num_prompt_tokens + new_tokens) // 16)
@@ -224,8 +233,8 @@ def test_runner_on_default_model_matches_hf_generate(smollm_dir):
         next_block += need
     for _ in range(new_tokens):
         batch = [(r, r.num_tokens - r.num_computed_tokens) for r in reqs]
-        for (r, n), t in zip(batch, runner.execute(batch)):
+        for (r, n), t in zip(batch, runner.execute(batch), strict=True):
             r.num_computed_tokens += n
             r.output_token_ids.append(t)
-    for r, exp in zip(reqs, expected):
+    for r, exp in zip(reqs, expected, strict=True):
         assert r.output_token_ids[: len(exp)] == exp, (tok.decode(r.output_token_ids), tok.decode(exp))

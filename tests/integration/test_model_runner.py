@@ -22,17 +22,29 @@ def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {
         "llama": make_tiny_model(root, "llama", num_hidden_layers=3),
-        "qwen2": make_tiny_model(root, "qwen2", num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                                 hidden_size=96),
+        "qwen2": make_tiny_model(
+            root, "qwen2", num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, hidden_size=96
+        ),
         "mistral": make_tiny_model(root, "mistral", num_attention_heads=4, num_key_value_heads=1),
         "llama-tied-llama3rope-bias": make_tiny_model(
-            root, "llama", name="tiny-llama-variant", tie_word_embeddings=True, attention_bias=True,
-            rope_theta=500000.0, max_position_embeddings=256,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 64},
+            root,
+            "llama",
+            name="tiny-llama-variant",
+            tie_word_embeddings=True,
+            attention_bias=True,
+            rope_theta=500000.0,
+            max_position_embeddings=256,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
         ),
-        "llama-linear-rope": make_tiny_model(root, "llama", name="tiny-llama-linear",
-                                             rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        "llama-linear-rope": make_tiny_model(
+            root, "llama", name="tiny-llama-linear", rope_scaling={"rope_type": "linear", "factor": 2.0}
+        ),
     }
 
 
@@ -81,23 +93,29 @@ def prompts_for(vocab, lengths, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-tied-llama3rope-bias", "llama-linear-rope"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "mistral", "llama-tied-llama3rope-bias", "llama-linear-rope"]
+)
 def test_prefill_and_decode_logits_match_hf(tiny_dirs, arch):
     path = tiny_dirs[arch]
     runner = make_runner(path)
     pool = BlockPool(runner.num_blocks, seed=1)
     lengths = [1, 4, 7, 13]  # includes a one-token prompt and block-boundary lengths
-    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6))
-            for i, p in enumerate(prompts_for(runner.info.vocab_size, lengths))]
+    reqs = [
+        Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6))
+        for i, p in enumerate(prompts_for(runner.info.vocab_size, lengths))
+    ]
     steps = 6
     for r in reqs:
         pool.give(r, r.num_prompt_tokens + steps)
     for step in range(steps):
         batch = [(r, r.num_tokens - r.num_computed_tokens) for r in reqs]
         logits = runner.compute_logits(batch)
-        for (r, n), lg in zip(batch, logits):
+        for (r, n), lg in zip(batch, logits, strict=True):
             ref = hf_last_logits(path, r.all_token_ids)
-            torch.testing.assert_close(lg, ref, atol=1e-4, rtol=1e-4, msg=f"{arch} step {step} {r.request_id}")
+            torch.testing.assert_close(
+                lg, ref, atol=1e-4, rtol=1e-4, msg=f"{arch} step {step} {r.request_id}"
+            )
             tok = int(lg.argmax())
             assert tok == int(ref.argmax())
             advance(r, n, tok)
@@ -116,11 +134,14 @@ def test_greedy_tokens_with_chunked_prefill_and_mixed_batches(tiny_dirs, arch):
         ids = list(p)
         for _ in range(new_tokens):
             ids.append(int(hf_last_logits(path, ids).argmax()))
-        expected.append(ids[len(p):])
+        expected.append(ids[len(p) :])
 
     runner = make_runner(path)
     pool = BlockPool(runner.num_blocks, seed=3)
-    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=new_tokens)) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=new_tokens))
+        for i, p in enumerate(prompts)
+    ]
     for r in reqs:
         pool.give(r, r.num_prompt_tokens + new_tokens)
     # Requests join at different steps; prefills are chunked to at most 5 tokens per step, so batches mix
@@ -129,14 +150,14 @@ def test_greedy_tokens_with_chunked_prefill_and_mixed_batches(tiny_dirs, arch):
     step = 0
     while any(r.num_output_tokens < new_tokens for r in reqs):
         batch = []
-        for r, s0 in zip(reqs, start_step):
+        for r, s0 in zip(reqs, start_step, strict=True):
             if step < s0 or r.num_output_tokens >= new_tokens:
                 continue
             batch.append((r, min(5, r.num_tokens - r.num_computed_tokens)))
         random.Random(step).shuffle(batch)
         out = runner.execute(batch)
         assert len(out) == len(batch)
-        for (r, n), tok in zip(batch, out):
+        for (r, n), tok in zip(batch, out, strict=True):
             if r.num_computed_tokens + n < r.num_tokens:
                 assert tok is None  # a prefill chunk that does not reach the end samples nothing
             else:
@@ -144,7 +165,7 @@ def test_greedy_tokens_with_chunked_prefill_and_mixed_batches(tiny_dirs, arch):
             advance(r, n, tok)
         step += 1
         assert step < 100
-    for r, exp in zip(reqs, expected):
+    for r, exp in zip(reqs, expected, strict=True):
         assert r.output_token_ids == exp, r.request_id
 
 
@@ -160,7 +181,12 @@ def test_runner_does_not_mutate_requests_and_reports_info(tiny_dirs):
     r.block_table = [3, 1]
     before = (list(r.prompt_token_ids), list(r.output_token_ids), r.num_computed_tokens, list(r.block_table))
     assert runner.execute([(r, 3)]) == [None]
-    assert (list(r.prompt_token_ids), list(r.output_token_ids), r.num_computed_tokens, list(r.block_table)) == before
+    assert (
+        list(r.prompt_token_ids),
+        list(r.output_token_ids),
+        r.num_computed_tokens,
+        list(r.block_table),
+    ) == before
     assert runner.execute([]) == []
 
 
@@ -194,13 +220,15 @@ def _sample_run(runner, pool_seed, companions, params, steps=6):
     """Generate ``steps`` tokens for a seeded request, sharing each step with ``companions`` other requests."""
     pool = BlockPool(runner.num_blocks, seed=pool_seed)
     target = Request("t", [5, 9, 11, 40, 41, 42], params)
-    others = [Request(f"o{i}", prompts_for(384, [3 + i], seed=i)[0], SamplingParams(temperature=1.0))
-              for i in range(companions)]
+    others = [
+        Request(f"o{i}", prompts_for(384, [3 + i], seed=i)[0], SamplingParams(temperature=1.0))
+        for i in range(companions)
+    ]
     for r in [target, *others]:
         pool.give(r, r.num_prompt_tokens + steps)
     for _ in range(steps):
         batch = [(r, r.num_tokens - r.num_computed_tokens) for r in [*others, target]]
-        for (r, n), tok in zip(batch, runner.execute(batch)):
+        for (r, n), tok in zip(batch, runner.execute(batch), strict=True):
             advance(r, n, tok)
     return target.output_token_ids
 
@@ -233,7 +261,9 @@ def test_sampler_greedy_topk_topp_and_distribution():
     assert s.sample(logits, [greedy, greedy], [0, 0]) == [1, 0]
     # top_k=1 is greedy whatever the temperature; a tiny top_p keeps only the most likely token.
     for i in range(20):
-        assert s.sample(logits, [SamplingParams(temperature=2.0, top_k=1), SamplingParams(top_p=0.01)], [i, i]) == [1, 0]
+        assert s.sample(
+            logits, [SamplingParams(temperature=2.0, top_k=1), SamplingParams(top_p=0.01)], [i, i]
+        ) == [1, 0]
     # top_k=2 never picks outside the two best tokens.
     picks = {s.sample(logits[:1], [SamplingParams(temperature=5.0, top_k=2)], [0])[0] for _ in range(200)}
     assert picks == {1, 3}

@@ -61,7 +61,7 @@ def make_case(seq_specs, hq, hkv, d=8, bs=4, seed=0, dtype=torch.float32):
     block_tables = np.full((len(seq_specs), max_blocks), 0, dtype=np.int32)
     off = 0
     for i, n in enumerate(need):
-        block_tables[i, :n] = perm[off:off + n]
+        block_tables[i, :n] = perm[off : off + n]
         block_tables[i, n:] = rng.integers(0, num_blocks, max_blocks - n)  # padding junk
         off += n
     seq_lens = np.array([c + q for c, q in seq_specs], dtype=np.int32)
@@ -93,8 +93,15 @@ def test_paged_attention_matches_naive(case, hq, hkv):
 
     # The backend's fast paths (decode batch, fresh-prefill SDPA, context gather) on the same input.
     # Fast paths read fresh K/V for context-free prefills, so pass the cached values for those tokens.
-    meta = AttentionMetadata.build(slot_mapping=np.zeros(int(qsl[-1]), np.int64), block_tables=bt, seq_lens=lens,
-                                   query_start_loc=qsl, block_size=kc.shape[1], device="cpu", scale=scale)
+    meta = AttentionMetadata.build(
+        slot_mapping=np.zeros(int(qsl[-1]), np.int64),
+        block_tables=bt,
+        seq_lens=lens,
+        query_start_loc=qsl,
+        block_size=kc.shape[1],
+        device="cpu",
+        scale=scale,
+    )
     slots = []
     for s in range(len(lens)):
         q_len = int(qsl[s + 1] - qsl[s])
@@ -109,12 +116,23 @@ def test_paged_attention_matches_naive(case, hq, hkv):
 
 def test_decode_fast_path_is_used_for_leading_decodes():
     query, kc, vc, bt, lens, qsl = make_case(CASES["mixed-decodes-first"], 6, 2)
-    meta = AttentionMetadata.build(slot_mapping=np.zeros(int(qsl[-1]), np.int64), block_tables=bt, seq_lens=lens,
-                                   query_start_loc=qsl, block_size=4, device="cpu")
+    meta = AttentionMetadata.build(
+        slot_mapping=np.zeros(int(qsl[-1]), np.int64),
+        block_tables=bt,
+        seq_lens=lens,
+        query_start_loc=qsl,
+        block_size=4,
+        device="cpu",
+    )
     assert meta.num_decodes == 2 and meta.max_query_len == 9 and meta.max_seq_len == 11
-    interleaved = AttentionMetadata.build(slot_mapping=np.zeros(10, np.int64), block_tables=bt,
-                                          seq_lens=np.array([3, 6, 11, 10]), query_start_loc=np.array([0, 3, 4, 9, 10]),
-                                          block_size=4, device="cpu")
+    interleaved = AttentionMetadata.build(
+        slot_mapping=np.zeros(10, np.int64),
+        block_tables=bt,
+        seq_lens=np.array([3, 6, 11, 10]),
+        query_start_loc=np.array([0, 3, 4, 9, 10]),
+        block_size=4,
+        device="cpu",
+    )
     assert interleaved.num_decodes == 0
 
 

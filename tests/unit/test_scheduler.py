@@ -6,6 +6,8 @@ import itertools
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams, Tier
@@ -217,6 +219,16 @@ def test_batch_head_is_protected_from_interactive_preemption():
     assert b1.finish_reason is b2.finish_reason is FinishReason.LENGTH
 
 
+def test_interactive_leaves_a_seat_for_the_waiting_batch_head():
+    s = make(max_num_seqs=2, batch_min_share=0.1)
+    for _ in range(3):
+        s.add_request(req(4, tier=Tier.INTERACTIVE, max_tokens=5))
+    b = req(4, max_tokens=1)
+    s.add_request(b)
+    out = run_step(s)
+    assert b in [r for r, _ in out.scheduled] and len(out.scheduled) == 2
+
+
 def test_abort_frees_blocks_at_once_and_is_reported():
     s = make()
     a, w = req(8, max_tokens=10), req(8)
@@ -280,6 +292,17 @@ def test_never_fitting_request_is_rejected_not_hung():
     assert ok.finish_reason is FinishReason.LENGTH
 
 
+def test_prompt_filling_the_context_needs_kv_for_every_prompt_token():
+    s = make(num_blocks=2, block_size=4, max_model_len=9)
+    r = req(9, max_tokens=5)  # 9 prompt tokens need 3 blocks although max_total_tokens - 1 == 8
+    assert not s.add_request(r) and "KV blocks" in r.error
+    s2 = make(num_blocks=3, block_size=4, max_model_len=9)
+    r2 = req(9, max_tokens=5)
+    assert s2.add_request(r2)
+    drain(s2)
+    assert r2.finish_reason is FinishReason.LENGTH and r2.num_output_tokens == 1
+
+
 def test_whole_pool_request_runs_alone_eventually():
     s = make(num_blocks=4, block_size=4)
     big = req(10, max_tokens=7)
@@ -334,3 +357,44 @@ def test_duplicate_request_id_rejected():
     s.add_request(req(name="x"))
     with pytest.raises(ValueError):
         s.add_request(req(name="x"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from(list(Tier)), st.integers(0, 2),
+                            st.integers(0, 6), st.booleans()), min_size=1, max_size=14),
+    num_blocks=st.integers(11, 40), budget=st.integers(1, 40), seqs=st.integers(1, 6),
+    share=st.sampled_from([0.0, 0.1, 0.5]), policy=st.sampled_from(["continuous", "static"]),
+)
+def test_random_workloads_always_finish(reqs, num_blocks, budget, seqs, share, policy):
+    """Liveness and accounting under random mixes: staggered arrivals, shared prefixes, aborts."""
+    s = make(num_blocks=num_blocks, block_size=4, max_batched_tokens=budget, max_num_seqs=seqs,
+             batch_min_share=share, policy=policy)
+    pending = [(arrive, req(tokens=[1, 2, 3, 4, 5, 6, 7, 8][:n] + [100 + i] * n, max_tokens=m, tier=tier,
+                            priority=prio), abort)
+               for i, (n, m, tier, prio, arrive, abort) in enumerate(reqs)]
+    added = []
+    for step in range(600):
+        for arrive, r, abort in pending:
+            if arrive == step:
+                if s.add_request(r):
+                    added.append((r, abort))
+        if step > 6 and not s.has_unfinished():
+            break
+        out = run_step(s)
+        assert len(s.running) <= seqs
+        for r, abort in added:
+            if abort and step == 3 and not r.is_finished:
+                s.abort(r.request_id)
+        used = sum(len(r.block_table) for r in s.running)
+        assert s.bm.num_blocks - s.bm.num_free <= used  # shared blocks are counted once
+        assert all(not r.block_table for q in s.waiting.values() for r in q)
+        assert out.num_batched_tokens <= budget
+    else:
+        raise AssertionError(f"hang: running={[(r.request_id, r.tier.value, r.num_computed_tokens, r.num_tokens, len(r.block_table)) for r in s.running]} "
+                             f"waiting={[(r.request_id, r.tier.value, r.num_tokens) for q in s.waiting.values() for r in q]} free={s.bm.num_free}")
+    assert s.bm.num_free == s.bm.num_blocks
+    for r, _ in added:
+        assert r.is_finished
+        if r.finish_reason is FinishReason.LENGTH:
+            assert r.num_output_tokens == r.sampling.max_tokens

