@@ -23,6 +23,8 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
         json = not sys.stderr.isatty()
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
+    for chatty in ("alembic", "httpx", "httpcore"):  # per-request / per-plugin lines drown the useful ones
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -78,9 +78,9 @@ def _run_demo(base: str, key: str, prompt: str, timeout: float = 600.0) -> int:
         return 1
     usage = job.get("usage") or {}
     cost = job.get("cost") or {}
-    typer.echo(f"\nanswer: {job['result']['text'].strip()}\n")
+    typer.echo(f"\nanswer: {(job.get('text') or '').strip()}\n")
     typer.echo(f"tokens: prompt {usage.get('prompt_tokens')}, completion {usage.get('completion_tokens')}; "
-               f"cost: ${cost.get('dollars', 0):.8f} ({cost.get('micros')} micro-dollars)")
+               f"cost: ${cost.get('dollars')} ({cost.get('micros')} micro-dollars)")
     return 0
 
 

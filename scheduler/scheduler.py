@@ -147,10 +147,14 @@ class Scheduler:
         head = run_b[0] if run_b else (wait_b[0] if wait_b and self._admissible(wait_b[0]) else None)
         reserve = head_blocks = seats = 0
         if head is not None and self.config.batch_min_share > 0:
-            reserve = max(1, int(self.config.batch_min_share * budget))
-            n = min(head.num_tokens - head.num_computed_tokens, reserve)
+            share = max(1, int(self.config.batch_min_share * budget))
+            n = min(head.num_tokens - head.num_computed_tokens, share)
             head_blocks = self.bm.blocks_needed(head, n) if head.block_table else cdiv(n, self.bm.block_size)
             seats = int(not head.block_table and self.config.max_num_seqs > 1)
+            # Tokens are held back only if the head can run now, and never all of them (interactive
+            # work always gets at least one token per step).
+            if head.block_table or len(self.running) < self.config.max_num_seqs:
+                reserve = min(share, budget - 1)
         done: set[int] = set()  # ids of requests scheduled or preempted this step
 
         used = self._run(run_i, budget - reserve, out, done, protect=head)

@@ -85,6 +85,7 @@ class Message:
     raw: bytes | None
     msg: dict[str, Any] | None = None
     reclaimed: bool = False
+    deleted: bool = False  # XAUTOCLAIM on Redis < 7 returns deleted entries without fields
 
 
 @dataclass
@@ -476,7 +477,7 @@ class Worker:
                 mid = mid.decode() if isinstance(mid, bytes) else mid
                 if (stream, mid) in held:
                     continue
-                out.append(Message(stream, mid, (fields or {}).get(b"m"), reclaimed=True))
+                out.append(Message(stream, mid, (fields or {}).get(b"m"), reclaimed=True, deleted=fields is None))
         if out:
             self.metrics.reclaimed.inc(len(out))
             self.log.info("reclaimed idle messages", count=len(out))
@@ -492,6 +493,10 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         bad = 0
         for m in msgs:
+            if m.deleted:
+                bad += 1
+                self._ack(pipe, m, None)
+                continue
             try:
                 if m.raw is None:
                     raise MessageError("no 'm' field")

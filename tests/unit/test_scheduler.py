@@ -359,7 +359,7 @@ def test_duplicate_request_id_rejected():
         s.add_request(req(name="x"))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from(list(Tier)), st.integers(0, 2),
                             st.integers(0, 6), st.booleans()), min_size=1, max_size=14),

@@ -145,10 +145,10 @@ def _check_against_refs(p, out):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bs,dtype", [(8, torch.float32), (16, torch.bfloat16), (32, torch.float16)])
-def test_write_kv_cache(bs, dtype):
+@pytest.mark.parametrize("bs,dtype,d", [(8, torch.float32, 64), (16, torch.bfloat16, 128), (32, torch.float16, 80)])
+def test_write_kv_cache(bs, dtype, d):
     g = torch.Generator().manual_seed(bs)
-    hkv, d, num_blocks = 3, 64, 7
+    hkv, num_blocks = 3, 7
     T = 11
     slots = torch.randperm(num_blocks * bs, generator=g)[:T]
     slots[[2, 7]] = -1  # padding tokens: skipped
@@ -179,6 +179,7 @@ DECODE_CASES = [
     (8, 2, 128, 16, torch.float32, 1, 32, [1, 48, 95]),  # GQA 4, head dim 128, no split
     (9, 3, 64, 16, torch.bfloat16, None, 16, [1, 32, 90]),  # default split heuristic
     (8, 2, 64, 8, torch.float16, 2, 16, [7, 64, 65]),
+    (4, 2, 80, 16, torch.float32, 2, 16, [1, 45]),  # head dim not a power of two (masked tiles)
 ]
 
 
@@ -203,6 +204,7 @@ PREFILL_CASES = [
     (8, 2, 128, 8, torch.float32, 32, 16, [30, 17], [13, 17]),  # head dim 128
     (9, 3, 64, 16, torch.bfloat16, 64, 32, [1, 48, 40], [1, 17, 40]),
     (4, 1, 64, 8, torch.float16, 32, 16, [20, 33], [20, 9]),
+    (4, 2, 80, 8, torch.float32, 16, 16, [19, 6], [11, 6]),  # head dim not a power of two
 ]
 
 
