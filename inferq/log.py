@@ -14,6 +14,16 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Writes to whatever sys.stderr is now (test runners and CLI runners swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
     global _configured
     if _configured:
@@ -34,7 +44,7 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 

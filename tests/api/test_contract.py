@@ -12,6 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 
+
 @pytest.mark.integration
 def test_no_server_errors_and_schema_conformance(serve, settings, redis_client, make_tenant):
     """Every operation, eight generated requests each (derandomized: the same ones every run).
