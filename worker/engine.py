@@ -72,6 +72,7 @@ class _Track:
     usage: Usage
     first_scheduled: float | None = None
     first_token: float | None = None
+    computed: int = 0  # most tokens ever in the cache (an aborted request pays only for these)
 
 
 class LLMEngine:
@@ -181,6 +182,7 @@ class LLMEngine:
         now = time.monotonic()
         for (req, _), token in zip(sched.scheduled, sampled, strict=True):
             tr = self._tracks[req.request_id]
+            tr.computed = max(tr.computed, req.num_computed_tokens)
             if tr.first_scheduled is None:
                 tr.first_scheduled = start
                 tr.usage.queue_seconds = max(0.0, start - req.arrival_time)
@@ -231,7 +233,8 @@ class LLMEngine:
         if tr.detok is not None and tr.detok.stopped is None:
             delta += tr.detok.flush()
         u = tr.usage
-        u.cached_prompt_tokens = req.num_cached_tokens
+        u.prompt_tokens = min(req.num_prompt_tokens, max(tr.computed, req.num_computed_tokens))
+        u.cached_prompt_tokens = min(req.num_cached_tokens, u.prompt_tokens)
         u.completion_tokens = req.num_output_tokens
         if tr.first_scheduled is not None:
             first = tr.first_token if tr.first_token is not None else now
