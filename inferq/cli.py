@@ -69,13 +69,10 @@ def up(
 
 
 def _register(target: typer.Typer, name: str, module: str, attr: str) -> None:
-    """Register ``module.attr`` as a command when that module is present."""
+    """Register ``module.attr`` as a command (those modules import torch only inside their functions)."""
     import importlib
 
-    try:
-        fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        return
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
     target.command(name)(fn)
 
 
