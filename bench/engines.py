@@ -74,7 +74,7 @@ class InferqOffline:
                     if o.error:
                         raise RuntimeError(f"inferq rejected request {k}: {o.error}")
         wall = time.perf_counter() - t0
-        useful = sum(min(len(o), it.max_tokens) for o, it in zip(outputs, workload.items))
+        useful = sum(min(len(o), it.max_tokens) for o, it in zip(outputs, workload.items, strict=False))
         return {"wall_s": wall, "output_tokens": useful, "prompt_tokens": workload.prompt_tokens,
                 "outputs": outputs, "ttft_s": ttft, "e2e_s": e2e, "cached_prompt_tokens": sum(cached),
                 "stats": engine.stats.to_dict(), "steps": steps}

@@ -10,7 +10,6 @@ reserve) and the longest request of this workload (the best case for contiguous 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 

@@ -137,7 +137,7 @@ def _plot(result: dict, out_dir: Path, tag: str) -> None:
     plt = common.pyplot()
     s = result["summary"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, mode in zip(axes, ("burst", "sequential")):
+    for ax, mode in zip(axes, ("burst", "sequential"), strict=False):
         cases = ["on", "off"]
         p50 = [s[f"{mode}-{c}"]["ttft_p50_ms"] or 0 for c in cases]
         p95 = [s[f"{mode}-{c}"]["ttft_p95_ms"] or 0 for c in cases]

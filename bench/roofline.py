@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -292,7 +291,7 @@ def _plot(result: dict, out_dir: Path, tag: str) -> None:
     for p in parts:
         vals = [result["dtypes"][d]["split_ms"][p] for d in dts]
         ax.bar(dts, vals, bottom=bottoms, label=p)
-        bottoms = [b + v for b, v in zip(bottoms, vals)]
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=False)]
     ax.set_ylabel("ms per engine step (mean)")
     ax.set_title("Where a step's time goes", fontsize=9)
     ax.legend(fontsize=7)
@@ -302,7 +301,7 @@ def _plot(result: dict, out_dir: Path, tag: str) -> None:
     xs = range(len(dts))
     ax.bar([x - 0.2 for x in xs], peak, 0.4, label="matmul peak (measured)")
     ax.bar([x + 0.2 for x in xs], ach, 0.4, label="engine achieved")
-    for x, a, p in zip(xs, ach, peak):
+    for x, a, p in zip(xs, ach, peak, strict=False):
         ax.text(x + 0.2, a, f"MFU {100 * a / p:.0f}%" if p else "", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(dts)

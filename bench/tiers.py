@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 
 from bench import common
-from bench.workloads import Workload, WorkItem, mixed, poisson_arrivals
+from bench.workloads import WorkItem, Workload, mixed, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parents[1]
 SLO_INTERACTIVE_TTFT_S = 1.0
@@ -185,10 +185,10 @@ class Stack:
             engine.dispose()
 
     def stop(self) -> None:
-        for name, p in reversed(self.procs):
+        for _, p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()
-        for name, p in reversed(self.procs):
+        for _, p in reversed(self.procs):
             try:
                 p.wait(timeout=40)
             except subprocess.TimeoutExpired:
@@ -293,7 +293,7 @@ async def _one(client, headers: dict, item: WorkItem, tier: str, t0: float, rec:
     rec["timestamps"] = "server" if times is server else "client"
     if times:
         rec["ttft_s"] = times[0]
-        rec["itl_s"] = [b - a for a, b in zip(times, times[1:])]
+        rec["itl_s"] = [b - a for a, b in zip(times, times[1:], strict=False)]
         n = rec.get("output_tokens") or 0
         if n > 1:
             rec["tpot_s"] = (times[-1] - times[0]) / (n - 1)
@@ -311,7 +311,7 @@ async def _drive(url: str, headers: dict, workload: Workload, one_tier: str | No
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout), limits=limits) as client:
         t0 = time.perf_counter() + 0.2
         tasks = [asyncio.create_task(_one(client, headers, it, one_tier or it.tier, t0, rec))
-                 for it, rec in zip(workload.items, recs)]
+                 for it, rec in zip(workload.items, recs, strict=False)]
         done, pending = await asyncio.wait(tasks, timeout=timeout)
         for t in pending:
             t.cancel()
@@ -391,7 +391,7 @@ def run(model: str | None = None, *, dtype: str = "float32", seed: int = 0, rate
         log(f"admission latency at idle ({idle_jobs} jobs one at a time) ...")
         rng = random.Random(seed)
         ids = []
-        for k in range(idle_jobs):
+        for _ in range(idle_jobs):
             wl1 = Workload("idle", [WorkItem([rng.randint(100, vocab - 1) for _ in range(16)], 2, tier="interactive")])
             rec = drive(stack, wl1)[0]
             if rec.get("job_id"):
@@ -519,7 +519,7 @@ def _plot(result: dict, out_dir: Path, tag: str) -> None:
                      label=f"throughput ({mode})")
     axes[0].axhline(1000 * SLO_INTERACTIVE_TTFT_S, color="gray", lw=0.8)
     axes[1].axhline(1000 * SLO_INTERACTIVE_TTFT_S, color="gray", lw=0.8)
-    for ax, title in zip(axes, ("TTFT p50 (ms)", "TTFT p99 (ms)", "req/s")):
+    for ax, title in zip(axes, ("TTFT p50 (ms)", "TTFT p99 (ms)", "req/s"), strict=False):
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=6)

@@ -10,16 +10,48 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 TIERS = ("interactive", "batch")
+
+NUL_REASON = "must not contain NUL (\\u0000) characters"
+
+
+def _no_nul(value: str) -> str:
+    """Text is stored in PostgreSQL, which cannot hold NUL characters: refuse them at validation time."""
+    if "\x00" in value:
+        raise ValueError(NUL_REASON)
+    return value
+
+
+def _nul_path(value: Any, path: str) -> str | None:
+    """The path of the first string (or mapping key) containing NUL inside free-form JSON, else None."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k)
+            if "\x00" in key:
+                return f"{path}[{key!r}] (the key)"
+            found = _nul_path(v, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _nul_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+NoNulStr = Annotated[str, AfterValidator(_no_nul)]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
-    content: str = Field(description="What they say.")
+    content: NoNulStr = Field(description="What they say.")
 
 
 class JobCreate(BaseModel):
@@ -37,8 +69,9 @@ class JobCreate(BaseModel):
         },
     )
 
-    model: str | None = Field(None, description="Model name; the service's default model when omitted.", examples=["smollm2-135m-instruct"])
-    prompt: str | None = Field(None, min_length=1, max_length=1_000_000, description="Plain-text prompt.")
+    model: NoNulStr | None = Field(None, description="Model name; the service's default model when omitted.", examples=["smollm2-135m-instruct"])
+    prompt: Annotated[str, Field(min_length=1, max_length=1_000_000), AfterValidator(_no_nul)] | None = Field(
+        None, description="Plain-text prompt.")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="Chat messages.")
     prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, description="Prompt token ids.")
     max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate.")
@@ -46,14 +79,23 @@ class JobCreate(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Per-job seed: the same seed gives the same output.")
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16, description="Stop strings (not included in the output).")
+    stop: list[Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]] = Field(default_factory=list, max_length=16, description="Stop strings (not included in the output).")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64, description="Stop token ids.")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence.")
     tier: Literal["interactive", "batch"] = Field("interactive", description="interactive: latency tier; batch: cheaper throughput tier.")
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first within a tier.")
-    webhook_url: str | None = Field(None, max_length=2000, description="POSTed the finished job (signed) when it ends.")
+    webhook_url: Annotated[str, Field(max_length=2000), AfterValidator(_no_nul)] | None = Field(None, description="POSTed the finished job (signed) when it ends.")
     deadline_seconds: float | None = Field(None, gt=0, le=7 * 86400, description="Expire the job if not finished this many seconds after acceptance.")
     metadata: dict[str, Any] | None = Field(None, description="Free-form JSON kept with the job.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_without_nul(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            where = _nul_path(value, "metadata")
+            if where is not None:
+                raise ValueError(f"{NUL_REASON} (at {where})")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> JobCreate:

@@ -19,12 +19,15 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Text, cast, func, select, text, update
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -38,6 +41,7 @@ from inferq.db import (
     Tenant,
     UsageEntry,
     cost_micros,
+    new_id,
     utcnow,
 )
 from inferq.log import get_logger
@@ -155,16 +159,34 @@ def estimate_tokens(request: dict[str, Any]) -> int:
     return prompt + int(request.get("max_tokens", 0))
 
 
+def _tenant_lock_key(tenant_id: str) -> str:
+    return "inferq:tenant:" + tenant_id
+
+
 def _lock_tenant(session: Session, tenant_id: str) -> None:
     """Serialize one tenant's submissions so quota counts are exact (PostgreSQL only)."""
     if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": "inferq:tenant:" + tenant_id})
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": _tenant_lock_key(tenant_id)})
+
+
+def _limits(settings: Settings, tenant: Tenant) -> tuple[int, int]:
+    max_queued = tenant.max_queued_jobs if tenant.max_queued_jobs is not None else settings.default_max_queued_jobs
+    limit = tenant.tokens_per_minute if tenant.tokens_per_minute is not None else settings.default_tokens_per_minute
+    return max_queued, limit
+
+
+def _token_limit_error(used: int, need: int, limit: int, oldest: dt.datetime | None, now: dt.datetime) -> QuotaExceeded:
+    oldest = min(t for t in (_as_aware(oldest), now) if t is not None)
+    retry = 60.0 - (now - oldest).total_seconds()
+    return QuotaExceeded(f"token rate limit: {used} tokens in the last minute, this job needs about {need} "
+                         f"(limit {limit}/min)", retry_after=max(1.0, retry), limit="tokens_per_minute")
 
 
 def _check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: str, request: dict[str, Any]) -> None:
+    """The exact quota checks in SQL (any dialect; the PostgreSQL fast path uses ``_PG_RECOUNT`` instead)."""
     now = utcnow()
+    max_queued, limit = _limits(settings, tenant)
     # 1. the tenant's queued jobs
-    max_queued = tenant.max_queued_jobs if tenant.max_queued_jobs is not None else settings.default_max_queued_jobs
     queued = session.scalar(select(func.count()).select_from(Job)
                             .where(Job.tenant_id == tenant.id, Job.status == "queued")) or 0
     if queued >= max_queued:
@@ -176,7 +198,6 @@ def _check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: st
         raise QuotaExceeded(f"the {tier} queue is full ({tier_queued} jobs)", retry_after=10, limit="tier_queue")
     # 3. tokens per minute: the ledger of the last minute (actual tokens) plus an estimate for this
     #    tenant's jobs accepted in the last minute that have not reached the ledger yet
-    limit = tenant.tokens_per_minute if tenant.tokens_per_minute is not None else settings.default_tokens_per_minute
     window_start = now - dt.timedelta(seconds=60)
     used_ledger, oldest_ledger = session.execute(
         select(func.coalesce(func.sum(UsageEntry.prompt_tokens + UsageEntry.completion_tokens), 0),
@@ -190,9 +211,7 @@ def _check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: st
     need = estimate_tokens(request)
     if used > 0 and used + need > limit:
         oldest = min(t for t in (_as_aware(oldest_ledger), _as_aware(oldest_open), now) if t is not None)
-        retry = 60.0 - (now - oldest).total_seconds()
-        raise QuotaExceeded(f"token rate limit: {used} tokens in the last minute, this job needs about {need} "
-                            f"(limit {limit}/min)", retry_after=max(1.0, retry), limit="tokens_per_minute")
+        raise _token_limit_error(used, need, limit, oldest, now)
 
 
 def _idempotent(job: Job, fingerprint: str) -> tuple[Job, bool]:
@@ -209,6 +228,26 @@ def submit(session_factory: sessionmaker, redis: Any, settings: Settings, tenant
     model = model_id(body.model or settings.model)
     fingerprint = body.fingerprint()
     request = body.request_params()
+    engine = session_factory.kw.get("bind")
+    if engine is not None and engine.dialect.name == "postgresql":
+        job, created = _submit_postgres(engine, session_factory, settings, tenant, body, idempotency_key, model,
+                                        fingerprint, request)
+    else:
+        job, created = _submit_orm(session_factory, settings, tenant, body, idempotency_key, model, fingerprint,
+                                   request)
+    if not created:
+        return job, False
+    try:
+        enqueue(redis, settings, job, tenant.cache_namespace)
+    except Exception as exc:  # the row is committed: the reconciler will enqueue it
+        log.warning("enqueue failed after commit; left for the reconciler", job_id=job.id, error=str(exc))
+    log.info("job accepted", job_id=job.id, tenant=tenant.id, model=model, tier=body.tier)
+    return job, True
+
+
+def _submit_orm(session_factory: sessionmaker, settings: Settings, tenant: Tenant, body: JobCreate,
+                idempotency_key: str | None, model: str, fingerprint: str, request: dict[str, Any]) -> tuple[Job, bool]:
+    """Any dialect (SQLite for ``inferq up``): exact counts on every submission, through the ORM."""
     with session_factory() as session:
         if idempotency_key:
             existing = session.scalar(select(Job).where(Job.tenant_id == tenant.id,
@@ -236,12 +275,313 @@ def submit(session_factory: sessionmaker, redis: Any, settings: Settings, tenant
             if existing is None:
                 raise
             return _idempotent(existing, fingerprint)
-    try:
-        enqueue(redis, settings, job, tenant.cache_namespace)
-    except Exception as exc:  # the row is committed: the reconciler will enqueue it
-        log.warning("enqueue failed after commit; left for the reconciler", job_id=job.id, error=str(exc))
-    log.info("job accepted", job_id=job.id, tenant=tenant.id, model=model, tier=body.tier)
     return job, True
+
+
+# ---- PostgreSQL: one round trip per submission ------------------------------------------------------------
+#
+# Counting a tenant's queued jobs, its tier's queue and its tokens of the last minute costs time proportional
+# to the queue (and to the minute's traffic), which is what made a submission slow. Instead each process
+# keeps, per tenant, an UPPER BOUND of those numbers as of a PostgreSQL timestamp ``mark``, and a submission
+# only adds what happened since:
+#
+# * All of a tenant's submissions (every process) hold the tenant's advisory lock from before they read to
+#   their commit, and stamp ``created_at`` with ``clock_timestamp()`` after taking it. So, under the lock,
+#   the tenant's jobs created after ``mark`` are exactly the rows ``created_at > mark`` (index
+#   ``ix_jobs_tenant_created``): the bound + those rows bounds the true count from above. Jobs that leave
+#   the queue (claimed, cancelled) are not subtracted: the bound only errs high.
+# * Ledger rows (written by workers at finish, not under the lock) are summed live from ``ledger_from``
+#   (the last recount minus ``LEDGER_LAG_SECONDS``) at every submission.
+# * A submission is accepted in one statement when the bound proves every limit holds; otherwise (and at
+#   least every ``QUOTA_RECOUNT_SECONDS``) the process recounts exactly, under the lock, and decides on
+#   the exact numbers, so a 429 is only ever answered from an exact count, as before.
+# * The tier cap counts every tenant's jobs, which the tenant lock does not serialize: between recounts a
+#   process adds its own admissions (and the rows it sees) to the tier count of its last recount, so other
+#   processes' admissions of other tenants are seen within ``QUOTA_RECOUNT_SECONDS``.
+
+QUOTA_RECOUNT_SECONDS = 5.0
+LEDGER_LAG_SECONDS = 2.0
+
+_PG_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%(lock)s, 0))"
+
+_PG_ESTIMATE = "length(CAST(request AS TEXT)) / 4.0 + coalesce(CAST(request ->> 'max_tokens' AS INTEGER), 0)"
+
+# exact usage, under the tenant lock
+_PG_RECOUNT = f"""
+WITH now AS (SELECT clock_timestamp() AS t)
+SELECT now.t,
+       (SELECT count(*) FROM jobs WHERE tenant_id = %(tenant)s AND status = 'queued'),
+       (SELECT count(*) FROM jobs WHERE status = 'queued' AND tier = %(tier)s),
+       lw.tokens, lw.head, lw.oldest, ow.tokens, ow.oldest, e.id, e.request_hash
+FROM now
+CROSS JOIN LATERAL (
+    SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) AS tokens,
+           coalesce(sum(prompt_tokens + completion_tokens)
+                    FILTER (WHERE created_at <= now.t - make_interval(secs => %(lag)s)), 0) AS head,
+           min(created_at) AS oldest
+    FROM usage_ledger WHERE tenant_id = %(tenant)s AND created_at > now.t - interval '60 seconds') lw
+CROSS JOIN LATERAL (
+    SELECT coalesce(sum({_PG_ESTIMATE}), 0) AS tokens, min(created_at) AS oldest
+    FROM jobs WHERE tenant_id = %(tenant)s AND created_at > now.t - interval '60 seconds'
+                AND status IN ('queued', 'running')) ow
+LEFT JOIN LATERAL (
+    SELECT id, request_hash FROM jobs WHERE tenant_id = %(tenant)s AND idempotency_key = %(key)s) e ON true
+"""
+
+# the conditional insert: accepted only when the bounds prove the limits hold
+_PG_ADMIT = f"""
+WITH d AS (
+    SELECT count(*) AS n, coalesce(sum({_PG_ESTIMATE}), 0) AS tokens
+    FROM jobs WHERE tenant_id = %(tenant)s AND created_at > %(mark)s
+), l AS (
+    SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) AS tokens
+    FROM usage_ledger WHERE tenant_id = %(tenant)s AND created_at > %(ledger_from)s
+), p AS (
+    SELECT id FROM prices WHERE model = %(model)s AND tier = %(tier)s AND effective_from <= clock_timestamp()
+    ORDER BY version DESC LIMIT 1
+), e AS (
+    SELECT id, request_hash FROM jobs WHERE tenant_id = %(tenant)s AND idempotency_key = %(key)s
+), now AS (
+    SELECT clock_timestamp() AS t
+), ins AS (
+    INSERT INTO jobs (id, tenant_id, model, tier, priority, request, status, idempotency_key, request_hash,
+                      webhook_url, metadata, attempts, cancel_requested, price_id, created_at, queued_at, deadline_at)
+    SELECT %(id)s, %(tenant)s, %(model)s, %(tier)s, %(priority)s, CAST(%(request)s AS JSON), 'queued', %(key)s,
+           %(hash)s, %(webhook)s, CAST(%(meta)s AS JSON), 0, false, p.id, now.t, now.t,
+           now.t + make_interval(secs => %(deadline)s)
+    FROM p, d, l, now
+    WHERE NOT EXISTS (SELECT 1 FROM e)
+      AND %(queued)s + d.n + 1 <= %(max_queued)s
+      AND %(tier_queued)s + d.n + 1 <= %(tier_cap)s
+      AND (CAST(%(tokens)s AS double precision) + CAST(d.tokens AS double precision) + l.tokens <= 0
+           OR CAST(%(tokens)s AS double precision) + CAST(d.tokens AS double precision) + l.tokens + %(need)s
+              <= %(limit)s)
+    RETURNING created_at, deadline_at
+)
+SELECT d.n, CAST(d.tokens AS double precision), (SELECT created_at FROM ins), (SELECT deadline_at FROM ins),
+       (SELECT id FROM e), (SELECT request_hash FROM e), (SELECT id FROM p)
+FROM d
+"""
+
+
+@dataclass(frozen=True)
+class _TenantBound:
+    """Upper bounds of a tenant's usage (see above); replaced, never mutated, so threads read a consistent one."""
+
+    mark: dt.datetime  # PostgreSQL time: every job of the tenant created at or before it is counted here
+    queued: int  # >= the tenant's queued jobs created at or before mark
+    tokens: float  # >= ledger tokens up to ledger_from + estimates of its jobs created up to mark, last minute
+    ledger_from: dt.datetime  # ledger rows after this are summed at each submission
+    expires: float  # time.monotonic() of the next exact recount
+
+
+class _TierBound:
+    def __init__(self, queued: int, expires: float) -> None:
+        self.queued = queued  # the last exact count + admissions since (own, and those seen in tenant scans)
+        self.expires = expires
+
+
+class _Admission:
+    """Per-process, per-engine quota bounds."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, _TenantBound] = {}
+        self.tiers: dict[str, _TierBound] = {}
+        self.lock = threading.Lock()
+
+    def put(self, tenant_id: str, bound: _TenantBound) -> None:
+        if len(self.tenants) >= 100_000:
+            self.tenants.clear()
+        self.tenants[tenant_id] = bound
+
+    def reserve_tier(self, tier: str) -> int | None:
+        """Count this admission in the tier before trying it (so concurrent threads see each other);
+        returns the count before it, or None when the tier needs a recount."""
+        with self.lock:
+            tb = self.tiers.get(tier)
+            if tb is None or tb.expires <= time.monotonic():
+                return None
+            tb.queued += 1
+            return tb.queued - 1
+
+    def adjust_tier(self, tier: str, delta: int) -> None:
+        with self.lock:
+            tb = self.tiers.get(tier)
+            if tb is not None:
+                tb.queued = max(0, tb.queued + delta)
+
+    def set_tier(self, tier: str, queued: int, expires: float) -> None:
+        with self.lock:
+            self.tiers[tier] = _TierBound(queued, expires)
+
+
+_ADMISSION: weakref.WeakKeyDictionary[Any, _Admission] = weakref.WeakKeyDictionary()
+_ADMISSION_LOCK = threading.Lock()
+
+
+def _admission_for(engine: Any) -> _Admission:
+    adm = _ADMISSION.get(engine)
+    if adm is None:
+        with _ADMISSION_LOCK:
+            adm = _ADMISSION.get(engine)
+            if adm is None:
+                adm = _ADMISSION[engine] = _Admission()
+    return adm
+
+
+def reset_quota_bounds() -> None:
+    """Forget every process-local quota bound (the next submission of each tenant recounts exactly)."""
+    with _ADMISSION_LOCK:
+        _ADMISSION.clear()
+
+
+def _utc(t: dt.datetime | None) -> dt.datetime | None:
+    return t.astimezone(dt.timezone.utc) if t is not None else None
+
+
+def _submit_postgres(engine: Any, session_factory: sessionmaker, settings: Settings, tenant: Tenant,
+                     body: JobCreate, idempotency_key: str | None, model: str, fingerprint: str,
+                     request: dict[str, Any]) -> tuple[Job, bool]:
+    import psycopg
+
+    adm = _admission_for(engine)
+    max_queued, limit = _limits(settings, tenant)
+    need = estimate_tokens(request)
+    request_json = json.dumps(request)  # what PostgreSQL stores (and what the rate-limit estimate measures)
+    own_tokens = len(request_json) / 4.0 + body.max_tokens
+    job_id = new_id()
+    params: dict[str, Any] = {
+        "lock": _tenant_lock_key(tenant.id), "tenant": tenant.id, "model": model, "tier": body.tier,
+        "key": idempotency_key, "id": job_id, "priority": body.priority, "request": request_json,
+        "hash": fingerprint, "webhook": body.webhook_url,
+        "meta": json.dumps(body.metadata) if body.metadata is not None else None,
+        "deadline": float(body.deadline_seconds) if body.deadline_seconds else None,
+        "max_queued": max_queued, "tier_cap": settings.tier_queue_cap, "need": need, "limit": limit,
+        "lag": LEDGER_LAG_SECONDS,
+    }
+    existing: tuple[str, str | None] | None = None
+    fairy = engine.raw_connection()
+    conn = fairy.driver_connection
+    try:
+        for _attempt in range(4):
+            bound = adm.tenants.get(tenant.id)
+            tier_before = adm.reserve_tier(body.tier) if bound is not None else None
+            if bound is None or tier_before is None or bound.expires <= time.monotonic():
+                if tier_before is not None:
+                    adm.adjust_tier(body.tier, -1)
+                # exact recount under the lock; decide on it (a 429 only ever comes from here)
+                with conn.pipeline():
+                    conn.execute(_PG_LOCK, params)
+                    row = conn.execute(_PG_RECOUNT, params).fetchone()
+                assert row is not None
+                (now, queued, tier_queued, ledger_tokens, ledger_head, ledger_oldest, open_tokens, open_oldest,
+                 e_id, e_hash) = row
+                expires = time.monotonic() + QUOTA_RECOUNT_SECONDS
+                # whole tokens, as the exact check counts them, so the admission below agrees with it
+                bound = _TenantBound(mark=now, queued=int(queued), tokens=float(int(ledger_head) + int(open_tokens)),
+                                     ledger_from=now - dt.timedelta(seconds=LEDGER_LAG_SECONDS), expires=expires)
+                adm.put(tenant.id, bound)
+                adm.set_tier(body.tier, int(tier_queued), expires)
+                if e_id is not None:
+                    conn.commit()
+                    existing = (e_id, e_hash)
+                    break
+                if queued >= max_queued:
+                    conn.commit()
+                    raise QuotaExceeded(f"tenant has {queued} queued jobs (limit {max_queued})", retry_after=5,
+                                        limit="queued_jobs")
+                if tier_queued >= settings.tier_queue_cap:
+                    conn.commit()
+                    raise QuotaExceeded(f"the {body.tier} queue is full ({tier_queued} jobs)", retry_after=10,
+                                        limit="tier_queue")
+                used = int(ledger_tokens) + int(open_tokens)
+                if used > 0 and used + need > limit:
+                    conn.commit()
+                    oldest = min((t for t in (ledger_oldest, open_oldest) if t is not None), default=None)
+                    raise _token_limit_error(used, need, limit, oldest, now)
+                tier_before = adm.reserve_tier(body.tier)
+                if tier_before is None:  # cannot happen unless the recount took longer than its validity
+                    tier_before = int(tier_queued)
+                    adm.adjust_tier(body.tier, 1)
+                params.update(mark=bound.mark, queued=bound.queued, tokens=bound.tokens,
+                              ledger_from=bound.ledger_from, tier_queued=tier_before)
+                cur = conn.execute(_PG_ADMIT, params)
+                result = cur.fetchone()
+                conn.commit()
+                recounted = True
+            else:
+                params.update(mark=bound.mark, queued=bound.queued, tokens=bound.tokens,
+                              ledger_from=bound.ledger_from, tier_queued=tier_before)
+                with conn.pipeline():  # one round trip: lock, conditional insert, commit
+                    conn.execute(_PG_LOCK, params)
+                    cur = conn.execute(_PG_ADMIT, params)
+                    conn.commit()
+                result = cur.fetchone()
+                recounted = False
+            assert result is not None
+            seen, seen_tokens, created_at, deadline_at, e_id, e_hash, price_id = result
+            if created_at is not None:
+                adm.put(tenant.id, _TenantBound(mark=created_at, queued=bound.queued + int(seen) + 1,
+                                                tokens=bound.tokens + float(seen_tokens) + max(own_tokens, need),
+                                                ledger_from=bound.ledger_from, expires=bound.expires))
+                if seen:
+                    adm.adjust_tier(body.tier, int(seen))
+                created = _utc(created_at)
+                job = Job(id=job_id, tenant_id=tenant.id, model=model, tier=body.tier, priority=body.priority,
+                          request=request, status="queued", idempotency_key=idempotency_key,
+                          request_hash=fingerprint, webhook_url=body.webhook_url, meta=body.metadata, attempts=0,
+                          worker=None, cancel_requested=False, price_id=price_id, created_at=created,
+                          queued_at=created, started_at=None, first_token_at=None, finished_at=None,
+                          deadline_at=_utc(deadline_at), heartbeat_at=None, error=None)
+                return job, True
+            adm.adjust_tier(body.tier, -1)  # not admitted: give the reservation back
+            if e_id is not None:
+                existing = (e_id, e_hash)
+                break
+            if price_id is None:  # first job for (model, tier): create price version 1, then try again
+                with session_factory() as session:
+                    current_price(session, settings, model, body.tier)
+                    session.commit()
+                continue
+            if recounted:  # the exact check passed but the insert did not: the bound moved; count again
+                adm.tenants.pop(tenant.id, None)
+                continue
+            # the bound was not enough to prove the limits hold: recount exactly
+            adm.put(tenant.id, _TenantBound(bound.mark, bound.queued, bound.tokens, bound.ledger_from, 0.0))
+        else:
+            raise QuotaExceeded("could not admit the job; try again", retry_after=1, limit="contention")
+    except psycopg.errors.UniqueViolation:
+        # the same idempotency key won a race (only possible without the lock); report the winner's job
+        _rollback_quietly(conn)
+        if not idempotency_key:
+            raise
+        with session_factory() as session:
+            job = session.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idempotency_key))
+            if job is None:
+                raise
+            return _idempotent(job, fingerprint)
+    except psycopg.Error as exc:
+        _rollback_quietly(conn)
+        if conn.closed or conn.broken:
+            fairy.invalidate(exc)
+        raise sa_exc.DBAPIError.instance(None, None, exc, psycopg.Error) from exc
+    except BaseException:
+        _rollback_quietly(conn)
+        raise
+    finally:
+        fairy.close()
+    with session_factory() as session:
+        job = session.get(Job, existing[0])
+    if job is None:  # pragma: no cover - jobs are never deleted
+        raise Conflict("idempotency key refers to a job that no longer exists")
+    return _idempotent(job, fingerprint)
+
+
+def _rollback_quietly(conn: Any) -> None:
+    try:
+        conn.rollback()
+    except Exception:  # noqa: BLE001 - the connection is being discarded or reset by the pool anyway
+        pass
 
 
 def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> str:

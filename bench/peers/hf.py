@@ -69,7 +69,7 @@ def hf_static_generate(model, workload: Workload, batch_size: int = 16) -> dict:
             for r, it in enumerate(batch):
                 outputs.append(gen[r, :it.max_tokens].tolist())
     wall = time.perf_counter() - t0
-    useful = sum(min(len(o), i.max_tokens) for o, i in zip(outputs, items))
+    useful = sum(min(len(o), i.max_tokens) for o, i in zip(outputs, items, strict=False))
     return {"wall_s": wall, "output_tokens": useful, "prompt_tokens": workload.prompt_tokens,
             "computed_output_tokens": computed, "outputs": outputs, "batch_size": batch_size}
 
@@ -113,5 +113,5 @@ def hf_continuous(model, workload: Workload, *, kv_tokens: int = 65536, page_siz
                     outputs[res.request_id] = list(res.generated_tokens)
             wall = time.perf_counter() - t0
     ordered = [outputs.get(f"r{k}", []) for k in range(len(workload.items))]
-    useful = sum(min(len(o), i.max_tokens) for o, i in zip(ordered, workload.items))
+    useful = sum(min(len(o), i.max_tokens) for o, i in zip(ordered, workload.items, strict=False))
     return {"wall_s": wall, "output_tokens": useful, "prompt_tokens": workload.prompt_tokens, "outputs": ordered}

@@ -150,7 +150,7 @@ class LlamaServer:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(workload.items)) as pool:
             outs = list(pool.map(lambda it: self._one(it.prompt_ids, it.max_tokens), workload.items))
         wall = time.perf_counter() - t0
-        useful = sum(min(len(o), it.max_tokens) if o else it.max_tokens for o, it in zip(outs, workload.items))
+        useful = sum(min(len(o), it.max_tokens) if o else it.max_tokens for o, it in zip(outs, workload.items, strict=False))
         return {"wall_s": wall, "output_tokens": useful, "prompt_tokens": workload.prompt_tokens, "outputs": outs}
 
     def close(self) -> None:
