@@ -21,6 +21,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    text,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -92,6 +93,12 @@ class Job(Base):
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at", "id"),
         Index("ix_jobs_status_model_tier", "status", "model", "tier"),
+        # the webhook poller's scan: terminal jobs with a webhook, finished recently (or never stamped)
+        Index("ix_jobs_webhook_finished", "finished_at", postgresql_where=text("webhook_url IS NOT NULL"),
+              sqlite_where=text("webhook_url IS NOT NULL")),
+        # exact quota recounts: a tenant's queued jobs without walking its whole history
+        Index("ix_jobs_tenant_queued", "tenant_id", postgresql_where=text("status = 'queued'"),
+              sqlite_where=text("status = 'queued'")),
     )
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))

@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Text, cast, func, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, instrumentation, sessionmaker
 
 from inferq.contract import JobCreate, cancel_channel, encode_message, events_key, model_id, stream_key
 from inferq.db import (
@@ -499,12 +499,10 @@ def _submit_postgres(engine: Any, session_factory: sessionmaker, settings: Setti
                     conn.commit()
                     oldest = min((t for t in (ledger_oldest, open_oldest) if t is not None), default=None)
                     raise _token_limit_error(used, need, limit, oldest, now)
-                tier_before = adm.reserve_tier(body.tier)
-                if tier_before is None:  # cannot happen unless the recount took longer than its validity
-                    tier_before = int(tier_queued)
-                    adm.adjust_tier(body.tier, 1)
+                # admit on the exact numbers (the insert repeats the same checks, so it agrees)
+                adm.adjust_tier(body.tier, 1)  # counted like a reservation: given back below if not admitted
                 params.update(mark=bound.mark, queued=bound.queued, tokens=bound.tokens,
-                              ledger_from=bound.ledger_from, tier_queued=tier_before)
+                              ledger_from=bound.ledger_from, tier_queued=int(tier_queued))
                 cur = conn.execute(_PG_ADMIT, params)
                 result = cur.fetchone()
                 conn.commit()
@@ -527,13 +525,12 @@ def _submit_postgres(engine: Any, session_factory: sessionmaker, settings: Setti
                 if seen:
                     adm.adjust_tier(body.tier, int(seen))
                 created = _utc(created_at)
-                job = Job(id=job_id, tenant_id=tenant.id, model=model, tier=body.tier, priority=body.priority,
-                          request=request, status="queued", idempotency_key=idempotency_key,
-                          request_hash=fingerprint, webhook_url=body.webhook_url, meta=body.metadata, attempts=0,
-                          worker=None, cancel_requested=False, price_id=price_id, created_at=created,
-                          queued_at=created, started_at=None, first_token_at=None, finished_at=None,
-                          deadline_at=_utc(deadline_at), heartbeat_at=None, error=None)
-                return job, True
+                return _job(id=job_id, tenant_id=tenant.id, model=model, tier=body.tier, priority=body.priority,
+                            request=request, status="queued", idempotency_key=idempotency_key,
+                            request_hash=fingerprint, webhook_url=body.webhook_url, meta=body.metadata, attempts=0,
+                            worker=None, cancel_requested=False, price_id=price_id, created_at=created,
+                            queued_at=created, started_at=None, first_token_at=None, finished_at=None,
+                            deadline_at=_utc(deadline_at), heartbeat_at=None, error=None), True
             adm.adjust_tier(body.tier, -1)  # not admitted: give the reservation back
             if e_id is not None:
                 existing = (e_id, e_hash)
@@ -575,6 +572,16 @@ def _submit_postgres(engine: Any, session_factory: sessionmaker, settings: Setti
     if job is None:  # pragma: no cover - jobs are never deleted
         raise Conflict("idempotency key refers to a job that no longer exists")
     return _idempotent(job, fingerprint)
+
+
+def _job(**values: Any) -> Job:
+    """A detached ``Job`` holding exactly the row just committed (no attribute events: ~3 µs, not ~40)."""
+    job = _JOB_MANAGER.new_instance()
+    job.__dict__.update(values)
+    return job
+
+
+_JOB_MANAGER = instrumentation.manager_of_class(Job)
 
 
 def _rollback_quietly(conn: Any) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 
 @dataclass
@@ -157,7 +157,7 @@ def _decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | 
     return plan
 
 
-def decode_attention(
+def torch_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -187,6 +187,24 @@ def decode_attention(
     q = query.view(nd, hkv, hq // hkv, d)
     out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(nd, hq, d)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the leading ``num_decodes`` single-token sequences: the C kernel reading the paged cache in
+    place where it is available (CPU), else the gather + SDPA torch path."""
+    if cpu_attention.supports(query, k_cache):
+        nd = query.shape[0]
+        return cpu_attention.decode_attention(
+            query, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+            int(meta.seq_lens_host[:nd].max()), scale,
+        )
+    return torch_decode_attention(query, k_cache, v_cache, meta, scale)
 
 
 class TorchBackend:
@@ -264,95 +282,3 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
 
         return TritonBackend()
     raise ValueError(f"unknown attention backend {name!r} (expected 'torch', 'triton' or None)")
-
-
-def _bench(dtype_name: str = "float32") -> None:  # pragma: no cover - python -m kernels.backend [bfloat16]
-    """Decode-attention variants on SmolLM2 shapes (Hq=9, Hkv=3, D=64, block 16); min over repeats, ms."""
-    import time
-
-    torch.manual_seed(0)
-    hq, hkv, d, bs = 9, 3, 64, 16
-    dtype = getattr(torch, dtype_name)
-
-    def timeit(fn, n=15):
-        fn()
-        best = float("inf")
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        return best * 1e3
-
-    def case(nseq: int, lmax: int) -> None:
-        lens = np.random.randint(lmax // 2, lmax + 1, size=nseq)
-        lens[0] = lmax
-        nblk = (lmax + bs - 1) // bs
-        num_blocks = nseq * nblk + 1
-        kc = torch.randn(num_blocks, bs, hkv, d, dtype=dtype)
-        vc = torch.randn(num_blocks, bs, hkv, d, dtype=dtype)
-        bt = np.random.permutation(num_blocks - 1)[: nseq * nblk].reshape(nseq, nblk).astype(np.int32)
-        meta = AttentionMetadata.build(
-            slot_mapping=np.zeros(nseq, np.int64),
-            block_tables=bt,
-            seq_lens=lens,
-            query_start_loc=np.arange(nseq + 1),
-            block_size=bs,
-            device="cpu",
-        )
-        q = torch.randn(nseq, hq, d, dtype=dtype)
-        scale = d**-0.5
-        blocks, mask, nb = _decode_plan(meta)
-        m = None if mask is None else mask.to(dtype)
-
-        def gathered():
-            k = kc.index_select(0, blocks).view(nseq, nb * bs, hkv, d).transpose(1, 2)
-            v = vc.index_select(0, blocks).view(nseq, nb * bs, hkv, d).transpose(1, 2)
-            return k, v
-
-        def sdpa_gqa():
-            k, v = gathered()
-            return F.scaled_dot_product_attention(
-                q[:, :, None], k, v, attn_mask=m, scale=scale, enable_gqa=True
-            )
-
-        def sdpa_expand():
-            k, v = gathered()
-            k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-            return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=m, scale=scale)
-
-        def grouped_matmul():
-            k, v = gathered()
-            s = torch.matmul(q.view(nseq, hkv, hq // hkv, d), k.transpose(2, 3)).float() * scale
-            if mask is not None:
-                s = s + mask
-            return torch.matmul(s.softmax(-1).to(dtype), v)
-
-        def fold():
-            return decode_attention(q, kc, vc, meta, scale)
-
-        def loop():
-            return reference.paged_attention(
-                q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
-            )
-
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(fold(), loop(), atol=tol, rtol=tol)
-        res = {
-            "loop": timeit(loop, 5),
-            "gather": timeit(gathered),
-            "sdpa-gqa": timeit(sdpa_gqa),
-            "sdpa-expand": timeit(sdpa_expand),
-            "grouped-mm": timeit(grouped_matmul),
-            "sdpa-fold": timeit(fold),
-        }
-        print(f"S={nseq:3d} L={lmax:5d}  " + "  ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
-
-    for nseq, lmax in [(32, 256), (32, 1024), (8, 1024), (64, 128), (1, 512)]:
-        case(nseq, lmax)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads())
-    _bench(sys.argv[1] if len(sys.argv) > 1 else "float32")
