@@ -57,7 +57,25 @@ def machine_info(dtype: str | Sequence[str] | None = None) -> dict:
         pass
     if dtype is not None:
         info["dtype"] = dtype
+    info["code"] = code_version()
     return info
+
+
+def code_version() -> dict:
+    """The commit and the modified engine files: the engine changes under the benchmarks while it is tuned."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        changed = sorted(line[3:] for line in dirty if line[3:] and not line[3:].startswith(("bench/", "tests/",
+                                                                                           "docs/")))
+        return {"commit": head, "modified": changed}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "modified": []}
 
 
 def _mem_gib() -> float | None:

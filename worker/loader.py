@@ -163,16 +163,14 @@ def _is_converted(target: Path) -> bool:
 def _load_gguf_model(gguf: Path):
     """The GGUF checkpoint as a float32 transformers model (transformers dequantises the weights).
 
-    ``from_pretrained(gguf_file=...)`` needs ``accelerate``; without it we do the same steps by hand with
-    transformers' own GGUF reader (config from the GGUF metadata, tensors dequantised and renamed by
-    ``load_gguf_checkpoint``)."""
+    Done by hand with transformers' own GGUF reader (config from the GGUF metadata, tensors dequantised
+    and renamed by ``load_gguf_checkpoint``) rather than ``from_pretrained(gguf_file=...)``: with
+    ``accelerate`` installed that path marks the model as gguf-quantized, and ``save_pretrained`` then
+    refuses it. The tests compare the result with ``from_pretrained(gguf_file=...)``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import is_accelerate_available
 
     folder, fname = str(gguf.parent), gguf.name
-    if is_accelerate_available():
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(folder, gguf_file=fname)
