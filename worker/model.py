@@ -298,6 +298,27 @@ class CausalLM:
                 raise ModelError(f"{where}: inconsistent biases")
             return torch.cat(parts, dim=0).contiguous()  # type: ignore[arg-type]
 
+        # RoPE as one complex multiply (float32): permute each q/k head's rows from HF's rotate-half layout
+        # [x1 | x2] to interleaved pairs (x1_i, x2_i). q.k is invariant under the same permutation of both, so
+        # attention is unchanged (the cache simply holds keys in the permuted layout).
+        self._complex_rope = dtype == torch.float32
+        half_perm = torch.stack((torch.arange(c.head_dim // 2), torch.arange(c.head_dim // 2) + c.head_dim // 2),
+                                dim=1).reshape(-1)
+
+        def rope_rows(t: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+            if t is None or not self._complex_rope or t.shape[0] != heads * c.head_dim:
+                return t  # (a shape mismatch is reported below)
+            return t.view(heads, c.head_dim, *t.shape[1:])[:, half_perm].reshape(t.shape)
+
+        # CPU: keep each projection as the transpose of a contiguous [in, out] matrix, so F.linear runs an
+        # NN GEMM; MKL's NT path (the checkpoint's [out, in] layout) is up to 2-3x slower at decode batch sizes.
+        nn_layout = device.type == "cpu"
+
+        def mat(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or not nn_layout:
+                return t
+            return t.t().contiguous().t()
+
         self.embed = take("embed_tokens.weight")
         if self.embed.shape[0] < c.vocab_size:
             raise ModelError(
@@ -311,20 +332,22 @@ class CausalLM:
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    w_qkv=cat(
-                        take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")
-                    ),
+                    w_qkv=mat(cat(
+                        rope_rows(take(a + "q_proj.weight"), c.num_heads),
+                        rope_rows(take(a + "k_proj.weight"), c.num_kv_heads),
+                        take(a + "v_proj.weight"),
+                    )),
                     b_qkv=cat(
-                        take(a + "q_proj.bias", c.qkv_bias),
-                        take(a + "k_proj.bias", c.qkv_bias),
+                        rope_rows(take(a + "q_proj.bias", c.qkv_bias), c.num_heads),
+                        rope_rows(take(a + "k_proj.bias", c.qkv_bias), c.num_kv_heads),
                         take(a + "v_proj.bias", c.qkv_bias),
                     ),
-                    w_o=take(a + "o_proj.weight"),
+                    w_o=mat(take(a + "o_proj.weight")),
                     b_o=take(a + "o_proj.bias", False),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    w_gate_up=cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
+                    w_gate_up=mat(cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight"))),
                     b_gate_up=cat(take(m + "gate_proj.bias", False), take(m + "up_proj.bias", False)),
-                    w_down=take(m + "down_proj.weight"),
+                    w_down=mat(take(m + "down_proj.weight")),
                     b_down=take(m + "down_proj.bias", False),
                 )
             )
@@ -368,13 +391,19 @@ class CausalLM:
     def _build_rope_cache(self, length: int) -> None:
         pos = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # [L, D/2] float32, as HF computes it
-        self._rope_cache = (freqs.cos().to(self.dtype), freqs.sin().to(self.dtype))
+        cos, sin = freqs.cos(), freqs.sin()
+        if self._complex_rope:  # one complex table: rotation = multiplication by cos + i sin
+            self._rope_cache = (torch.complex(cos, sin), sin)
+        else:
+            self._rope_cache = (cos.to(self.dtype), sin.to(self.dtype))
 
     def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._rope_cache  # type: ignore[misc]
         if max_pos >= cos.shape[0]:
             self._build_rope_cache(max(max_pos + 1, 2 * cos.shape[0]))
             cos, sin = self._rope_cache  # type: ignore[misc]
+        if self._complex_rope:
+            return cos.index_select(0, positions), sin
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -420,9 +449,10 @@ class CausalLM:
         if max_position is None:
             max_position = int(positions.max()) if t else 0
         cos, sin = self._rope(positions, max_position)
-        cos = cos[:, None, :]
+        cos = cos[:, None, :]  # complex rotation [T, 1, D/2] on the complex path
         sin = sin[:, None, :]
         half = d // 2
+        complex_rope = self._complex_rope
         if meta.scale is None:
             meta.scale = self.scale
         x = F.embedding(input_ids, self.embed)
@@ -430,9 +460,13 @@ class CausalLM:
         h = self._norm(x, self.layers[0].input_norm) if self.layers else x
         for i, layer in enumerate(self.layers):
             qkv = F.linear(h, layer.w_qkv, layer.b_qkv)  # [T, (Hq + 2Hkv) D]
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, d)
-            x1, x2 = qk[..., :half], qk[..., half:]
-            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # RoPE on q and k at once
+            if complex_rope:  # interleaved pairs (see __init__): RoPE on q and k as one complex multiply
+                qk = torch.view_as_complex(qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, half, 2))
+                qk = torch.view_as_real(qk * cos).view(t, qk_heads, d)
+            else:
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, d)
+                x1, x2 = qk[..., :half], qk[..., half:]
+                qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # RoPE on q and k at once
             q = qk[:, :hq]
             k = qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
