@@ -339,6 +339,11 @@ def _pcts(values, scale: float = 1000.0) -> dict:
 def summarise(recs: list[dict], rate: float, duration: float) -> dict:
     out = {"rate": rate, "requests": len(recs), "duration_s": duration,
            "errors": sum(1 for r in recs if "error" in r)}
+    kinds: dict[str, int] = {}
+    for r in recs:
+        if "error" in r:
+            kinds[r["error"][:120]] = kinds.get(r["error"][:120], 0) + 1
+    out["error_kinds"] = kinds
     finished = [r for r in recs if r.get("status") == "succeeded"]
     span = max((r["sent"] + r["e2e_s"] for r in finished), default=0.0)
     out["wall_s"] = span
@@ -501,7 +506,9 @@ def report(result: dict) -> str:
                          "tpot50": t["tpot_ms"]["p50"], "tpot99": t["tpot_ms"]["p99"],
                          "itl50": t["itl_ms"]["p50"], "itl99": t["itl_ms"]["p99"],
                          "e2e50": t["e2e_ms"]["p50"], "e2e99": t["e2e_ms"]["p99"],
-                         "slo": t["slo_attainment"], "goodput": r["goodput_req_s"], "tok_s": r["output_tok_s"]})
+                         "slo": f"{100 * t['slo_attainment']:.0f}%" if t["slo_attainment"] is not None else None,
+                         "goodput": f"{r['goodput_req_s']:.2f}" if r["goodput_req_s"] is not None else None,
+                         "tok_s": r["output_tok_s"]})
     lines.append(common.table(rows, [("rate", "rate req/s"), ("mode", "mode"), ("tier", "tier"), ("n", "n"),
                                      ("ttft50", "TTFT p50"), ("ttft95", "p95"), ("ttft99", "p99"),
                                      ("tpot50", "TPOT p50"), ("tpot99", "p99"), ("itl50", "ITL p50"),
