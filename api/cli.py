@@ -39,8 +39,6 @@ def api(
                                   help="Deliver webhooks from this process (off if `inferq webhooks` runs elsewhere)."),
 ) -> None:
     """Serve the REST API (FastAPI on uvicorn)."""
-    import os, sys  # TEMP-EXPERIMENT
-    sys.setswitchinterval(float(os.environ.get("IQ_SWITCH", "0.005")))  # TEMP-EXPERIMENT
     import uvicorn
 
     from inferq.log import configure_logging

