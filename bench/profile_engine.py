@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
 
             h = hf.hf_static_generate(hf_model, wl, args.hf_batch)
             tps = h["output_tokens"] / h["wall_s"]
-            same = sum(a == b for a, b in zip(r["outputs"], h["outputs"])) / len(wl.items)
+            same = sum(a == b for a, b in zip(r["outputs"], h["outputs"], strict=True)) / len(wl.items)
             print(f"[rep {rep}] HF static x{args.hf_batch}:    {tps:8.1f} output tok/s, {h['wall_s']:.2f}s  "
                   f"-> inferq/HF {base / tps:.2f}x (same tokens {same:.0%})")
 
