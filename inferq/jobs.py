@@ -703,7 +703,7 @@ def finish(session: Session, job_id: str, outcome: Outcome, *, from_statuses: It
         return False
     tenant_id, model, tier, price_id = row
     price = session.get(Price, price_id) if price_id is not None else None
-    session.add(Result(job_id=job_id, text=outcome.text or "", finish_reason=outcome.finish_reason,
+    session.add(Result(job_id=job_id, text=(outcome.text or "").replace("\x00", "\ufffd"), finish_reason=outcome.finish_reason,
                        token_ids=outcome.token_ids, created_at=now))
     session.add(UsageEntry(
         job_id=job_id, tenant_id=tenant_id, model=model, tier=tier, status=outcome.status,
