@@ -239,6 +239,13 @@ def _free_port() -> int:
 
 
 async def _one(client, headers: dict, item: WorkItem, tier: str, t0: float, rec: dict) -> None:
+    try:
+        await _one_inner(client, headers, item, tier, t0, rec)
+    except Exception as exc:  # noqa: BLE001 - recorded per request, never stops the run
+        rec.setdefault("error", f"{type(exc).__name__}: {exc}")
+
+
+async def _one_inner(client, headers: dict, item: WorkItem, tier: str, t0: float, rec: dict) -> None:
     import httpx
 
     delay = t0 + item.arrival - time.perf_counter()
