@@ -34,7 +34,9 @@ def _db() -> Any:
 def api(
     host: str | None = typer.Option(None, help="Bind address (default: INFERQ_API_HOST, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port (default: INFERQ_API_PORT, 8000)."),
-    workers: int = typer.Option(1, min=1, help="Uvicorn worker processes."),
+    workers: int | None = typer.Option(None, min=1,
+                                       help="Uvicorn worker processes, each with its own pools and webhook "
+                                            "dispatcher (default: INFERQ_API_WORKERS, 1)."),
     webhooks: bool = typer.Option(True, "--webhooks/--no-webhooks",
                                   help="Deliver webhooks from this process (off if `inferq webhooks` runs elsewhere)."),
 ) -> None:
@@ -47,7 +49,7 @@ def api(
     configure_logging(settings.log_level, settings.log_json)
     factory = "api.app:create_app" if webhooks else "api.app:create_app_without_webhooks"
     uvicorn.run(factory, factory=True, host=host or settings.api_host, port=port or settings.api_port,
-                workers=workers, log_level=settings.log_level.lower(), access_log=False, proxy_headers=True)
+                workers=workers or settings.api_workers, log_level=settings.log_level.lower(), access_log=False, proxy_headers=True)
 
 
 def tenants_create(

@@ -55,6 +55,7 @@ class StepTimer:
     def __init__(self) -> None:
         self.t: dict[str, float] = defaultdict(float)
         self.steps = 0
+        self.shapes: list[tuple[int, int, int, float]] = []
         self._patched: list[tuple[object, str, object]] = []
 
     def wrap(self, obj: object, attr: str, label: str) -> None:
@@ -85,6 +86,19 @@ class StepTimer:
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(engine.scheduler, "postprocess", "sched.postprocess")
         self.wrap(runner, "execute", "execute")
+        # per-step shape and time: (tokens, sequences, decodes, seconds)
+        execute = runner.execute
+        shapes = self.shapes
+
+        def execute_logged(batch):
+            s = time.perf_counter()
+            try:
+                return execute(batch)
+            finally:
+                shapes.append((sum(n for _, n in batch), len(batch), sum(n == 1 for _, n in batch),
+                               time.perf_counter() - s))
+
+        runner.execute = execute_logged
         self.wrap(runner, "_prepare", "prepare")
         self.wrap(runner.model, "forward", "forward")
         self.wrap(runner.sampler, "sample", "sample")
@@ -107,6 +121,19 @@ class StepTimer:
             lines.append(f"  {name:30s} {1e3 * v / max(1, steps):8.3f}  {100 * v / max(total, 1e-12):5.1f}%")
         lines.append(f"  {'engine.step total':30s} {1e3 * total / max(1, steps):8.3f}")
         lines.append(f"  outside the model forward: {1e3 * (total - fwd) / max(1, steps):.3f} ms/step")
+        lines.append("runner.execute by step kind (steps, seconds, mean ms/step, mean tokens, mean sequences):")
+        kinds: dict[str, list] = defaultdict(list)
+        for tokens, seqs, decodes, sec in self.shapes:
+            if decodes == seqs:
+                kind = f"decode-only S={16 * ((seqs - 1) // 16) + 1}-{16 * ((seqs - 1) // 16 + 1)}"
+            else:
+                kind = "with prefill tokens"
+            kinds[kind].append((tokens, seqs, sec))
+        for kind in sorted(kinds):
+            rows_ = kinds[kind]
+            sec = sum(r[2] for r in rows_)
+            lines.append(f"  {kind:24s} {len(rows_):5d} {sec:8.2f} s {1e3 * sec / len(rows_):9.2f} "
+                         f"{sum(r[0] for r in rows_) / len(rows_):8.1f} {sum(r[1] for r in rows_) / len(rows_):6.1f}")
         return "\n".join(lines)
 
 
@@ -158,6 +185,75 @@ def torch_profile(eng, wl: Workload, steps_hint: int, top: int = 25) -> str:
     for us, key, count in sorted(rows, reverse=True)[:top]:
         lines.append(f"  {key:48s} {us / 1e3:9.1f} ms  {count:7d}")
     return "\n".join(lines)
+
+
+def synthetic_batch(runner, kind: str, num_seqs: int, ctx: tuple[int, int], seed: int = 0, chunk: int = 0):
+    """A ready-to-run ``execute`` batch without a scheduler: ``kind`` "decode" (num_seqs sequences, context
+    lengths uniform in ``ctx``, one new token each) or "prefill" (num_seqs prompts of ``chunk`` tokens, no
+    context). Blocks are drawn at random from the whole pool (the cache holds junk: timing only)."""
+    import random
+
+    from scheduler.request import Request, SamplingParams
+
+    rng = random.Random(seed)
+    bs = runner.block_size
+    free = list(range(runner.num_blocks))
+    rng.shuffle(free)
+    batch = []
+    for i in range(num_seqs):
+        if kind == "decode":
+            total = rng.randint(*ctx)
+            prompt = [rng.randrange(100, runner.info.vocab_size) for _ in range(total - 1)]
+            r = Request(f"s{i}", prompt, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+            r.output_token_ids = [rng.randrange(100, runner.info.vocab_size)]
+            r.num_computed_tokens = total - 1
+            n = 1
+        else:
+            total = chunk
+            r = Request(f"p{i}", [rng.randrange(100, runner.info.vocab_size) for _ in range(total)],
+                        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+            n = total
+        need = -(-total // bs)
+        r.block_table = [free.pop() for _ in range(need)]
+        batch.append((r, n))
+    return batch
+
+
+def forward_bench(runner, variants: dict, cases: dict, repeats: int = 5, log=print) -> dict:
+    """Time ``runner.execute`` on each synthetic case under each variant (a callable that configures the
+    runner), variants interleaved round-robin, best of ``repeats``. Returns {case: {variant: ms}}."""
+    import torch
+
+    out: dict = {}
+    for cname, batch in cases.items():
+        best = {v: float("inf") for v in variants}
+        with torch.inference_mode():
+            for setup in variants.values():  # warm-up each variant once
+                setup()
+                runner.execute(batch)
+            for rep in range(repeats):
+                order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+                for v in order:
+                    variants[v]()
+                    t = time.perf_counter()
+                    runner.execute(batch)
+                    best[v] = min(best[v], time.perf_counter() - t)
+        out[cname] = {v: 1e3 * s for v, s in best.items()}
+        base = next(iter(variants))
+        log(f"{cname:28s} " + "  ".join(f"{v} {1e3 * best[v]:8.2f} ms ({best[base] / best[v]:.2f}x)"
+                                         for v in variants))
+    return out
+
+
+def default_cases(runner) -> dict:
+    """Step shapes of the mixed workload: full decode batches at its context lengths, smaller ones, and a
+    2048-token prefill step."""
+    return {
+        "decode S=64 ctx 40-760": synthetic_batch(runner, "decode", 64, (40, 760)),
+        "decode S=32 ctx 300-760": synthetic_batch(runner, "decode", 32, (300, 760), seed=1),
+        "decode S=8 ctx 300-760": synthetic_batch(runner, "decode", 8, (300, 760), seed=2),
+        "prefill 4x512": synthetic_batch(runner, "prefill", 4, (0, 0), seed=3, chunk=512),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

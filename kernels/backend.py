@@ -198,12 +198,16 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of the leading ``num_decodes`` single-token sequences: the C kernel reading the paged cache in
     place where it is available (CPU), else the gather + SDPA torch path."""
-    if cpu_attention.supports(query, k_cache):
-        nd = query.shape[0]
-        return cpu_attention.decode_attention(
-            query, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-            int(meta.seq_lens_host[:nd].max()), scale,
-        )
+    nd = query.shape[0]
+    key = ("cpu_decode", nd, query.dtype, k_cache.dtype)
+    plan = meta.cache.get(key)
+    if plan is None:  # once per step, shared by the layers
+        use = cpu_attention.supports(query, k_cache)
+        plan = meta.cache[key] = (use, meta.block_tables[:nd].contiguous(), meta.seq_lens[:nd].contiguous(),
+                                  int(meta.seq_lens_host[:nd].max()) if nd else 0)
+    use, tables, lens, max_len = plan
+    if use:
+        return cpu_attention.decode_attention(query, k_cache, v_cache, tables, lens, max_len, scale)
     return torch_decode_attention(query, k_cache, v_cache, meta, scale)
 
 
@@ -212,8 +216,19 @@ class TorchBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._slots: torch.Tensor | None = None  # the last slot mapping seen, checked for padding once per step
+
     def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        if slot_mapping is not self._slots:  # a new step: one check for negative (padding) slots
+            self._slots = slot_mapping if not bool((slot_mapping < 0).any()) else None
+        if (self._slots is None or slot_mapping.dtype != torch.long or key.dtype != k_cache.dtype
+                or key.device != k_cache.device):
+            reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+            return
+        num_blocks, block_size, hkv, d = k_cache.shape
+        k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, key)
+        v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, value)
 
     def forward(
         self,

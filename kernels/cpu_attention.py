@@ -9,6 +9,14 @@ that kv head (one pass over K), a float32 softmax, and the weighted sum of V (on
 whatever the cache dtype (float32 or bfloat16). Work items are spread over torch's own OpenMP thread pool
 (the library links ``libgomp.so.1``, which resolves to the copy torch already loaded).
 
+Two code paths: portable scalar loops (any head dim and block size; the compiler vectorises the inner
+loops as it can), and, where the CPU has AVX2 + FMA (every x86 server CPU of the last decade, AVX-512 ones
+included), a vector path for head dims that are multiples of 8 up to 128 and power-of-two block sizes:
+scores for 8 positions at once (a transpose-add turns 8 dot-product vectors into one vector of scores), a
+polynomial exp, and the weighted V sum kept in registers. On the mixed benchmark's decode steps the vector
+path is ~4x faster than the scalar one (docs/BENCHMARKS.md). AVX2 rather than AVX-512: it runs, and is
+tested, on every machine this project meets (the AMD EPYC CI machines have no AVX-512).
+
 The C source is compiled once per machine with the system C compiler (``cc -O3 -march=native -fopenmp``,
 about a second) into ``~/.cache/inferq/kernels/`` keyed by a hash of the source, flags and CPU flags, and
 loaded with ctypes (no torch headers, no build step at install time). If no compiler is available or the
@@ -38,6 +46,7 @@ _SOURCE = r"""
 #include <string.h>
 
 #define MAX_GROUP 16
+#define MAX_ND 16
 
 static inline float bf16_load(const uint16_t* p, int64_t i) {
     uint32_t u = ((uint32_t)p[i]) << 16;
@@ -135,8 +144,187 @@ int NAME(const float* q, int64_t q_ss, int64_t q_hs, const T* kc, const T* vc, i
 
 #define LOAD_F32(p, i) ((p)[i])
 #define LOAD_BF16(p, i) bf16_load((p), (i))
-DEFINE_DECODE(decode_f32, float, LOAD_F32)
-DEFINE_DECODE(decode_bf16, uint16_t, LOAD_BF16)
+DEFINE_DECODE(generic_f32, float, LOAD_F32)
+DEFINE_DECODE(generic_bf16, uint16_t, LOAD_BF16)
+
+#undef DEFINE_DECODE
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp(x) for x <= 0 (scores minus their max), float32, ~2 ulp: x = n ln2 + r with |r| <= ln2/2, a degree-6
+   polynomial for e^r, and 2^n built in the exponent bits (x is clamped at -87 so 2^n stays normal; the
+   result there is ~1e-38, as good as 0 next to the max's weight of 1). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* 8 vectors -> one vector whose lane t is the sum of the lanes of a[t]. */
+static inline __m256 transpose_sum8(const __m256* a) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline __m256 ld_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* One (sequence, kv head) work item, vectorised: positions in chunks of 8 (position p is row p & msk of block
+   bt[p >> sh]); pass 1 writes the G rows of scores (scaled, -inf past len), pass 2 turns them into
+   unnormalised softmax weights, pass 3 accumulates the weighted V rows in registers, one query head at a
+   time (the chunk's V rows stay in L1 across the G heads). */
+#define DEFINE_DECODE(NAME, T, LD)                                                                            \
+static void NAME##_item(const float* q, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs, int64_t c_ts,   \
+                        const int32_t* bt, int len, int G, int ND, int sh, int msk, float scale, float* out,   \
+                        int64_t o_hs, float* sc) {                                                            \
+    const int nch = (len + 7) / 8, lpad = nch * 8;                                                            \
+    const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);                            \
+    __m256 mx[MAX_GROUP];                                                                                     \
+    for (int g = 0; g < G; g++) mx[g] = ninf;                                                                 \
+    const T* krow[8];                                                                                         \
+    for (int b = 0; b < nch; b++) {                                                                           \
+        const int n = (b == nch - 1) ? len - b * 8 : 8;                                                       \
+        for (int t = 0; t < n; t++) {                                                                         \
+            const int p = b * 8 + t;                                                                          \
+            krow[t] = kc + (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;                           \
+        }                                                                                                     \
+        for (int g = 0; g < G; g++) {                                                                         \
+            const float* qg = q + (int64_t)g * q_hs;                                                          \
+            __m256 a[8];                                                                                      \
+            for (int t = 0; t < 8; t++) {                                                                     \
+                if (t < n) {                                                                                  \
+                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), LD(krow[t]));                               \
+                    for (int c = 1; c < ND; c++) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), LD(krow[t] + 8 * c), s); \
+                    a[t] = s;                                                                                 \
+                } else {                                                                                      \
+                    a[t] = _mm256_setzero_ps();                                                               \
+                }                                                                                             \
+            }                                                                                                 \
+            __m256 r = _mm256_mul_ps(transpose_sum8(a), vscale);                                              \
+            if (n < 8) {                                                                                      \
+                const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                               \
+                r = _mm256_blendv_ps(ninf, r, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane))); \
+            }                                                                                                 \
+            _mm256_storeu_ps(sc + (int64_t)g * lpad + b * 8, r);                                              \
+            mx[g] = _mm256_max_ps(mx[g], r);                                                                  \
+        }                                                                                                     \
+    }                                                                                                         \
+    float inv[MAX_GROUP];                                                                                     \
+    for (int g = 0; g < G; g++) {                                                                             \
+        __m256 m = _mm256_max_ps(mx[g], _mm256_permute2f128_ps(mx[g], mx[g], 0x01));                          \
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));                                \
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));                                \
+        float* row = sc + (int64_t)g * lpad;                                                                  \
+        __m256 z = _mm256_setzero_ps();                                                                       \
+        for (int i = 0; i < lpad; i += 8) {                                                                   \
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));                              \
+            _mm256_storeu_ps(row + i, e);                                                                     \
+            z = _mm256_add_ps(z, e);                                                                          \
+        }                                                                                                     \
+        z = _mm256_add_ps(z, _mm256_permute2f128_ps(z, z, 0x01));                                             \
+        z = _mm256_hadd_ps(z, z);                                                                             \
+        z = _mm256_hadd_ps(z, z);                                                                             \
+        inv[g] = 1.0f / _mm256_cvtss_f32(z);                                                                  \
+    }                                                                                                         \
+    for (int g = 0; g < G; g++) {                                                                             \
+        const float* w = sc + (int64_t)g * lpad;                                                              \
+        float* o = out + (int64_t)g * o_hs;                                                                   \
+        for (int c0 = 0; c0 < ND; c0 += 8) { /* at most 8 accumulators live: D up to 64 in one sweep */       \
+            const int nc = ND - c0 < 8 ? ND - c0 : 8;                                                         \
+            __m256 acc[8];                                                                                    \
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();                                         \
+            for (int p = 0; p < len; p++) {                                                                   \
+                const T* v = vc + (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts + 8 * c0;           \
+                const __m256 wp = _mm256_set1_ps(w[p]);                                                       \
+                if (nc == 8) {                                                                                \
+                    acc[0] = _mm256_fmadd_ps(wp, LD(v), acc[0]);                                              \
+                    acc[1] = _mm256_fmadd_ps(wp, LD(v + 8), acc[1]);                                          \
+                    acc[2] = _mm256_fmadd_ps(wp, LD(v + 16), acc[2]);                                         \
+                    acc[3] = _mm256_fmadd_ps(wp, LD(v + 24), acc[3]);                                         \
+                    acc[4] = _mm256_fmadd_ps(wp, LD(v + 32), acc[4]);                                         \
+                    acc[5] = _mm256_fmadd_ps(wp, LD(v + 40), acc[5]);                                         \
+                    acc[6] = _mm256_fmadd_ps(wp, LD(v + 48), acc[6]);                                         \
+                    acc[7] = _mm256_fmadd_ps(wp, LD(v + 56), acc[7]);                                         \
+                } else {                                                                                      \
+                    for (int c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(wp, LD(v + 8 * c), acc[c]);         \
+                }                                                                                             \
+            }                                                                                                 \
+            const __m256 s = _mm256_set1_ps(inv[g]);                                                          \
+            for (int c = 0; c < nc; c++) _mm256_storeu_ps(o + 8 * (c0 + c), _mm256_mul_ps(acc[c], s));       \
+        }                                                                                                     \
+    }                                                                                                         \
+}                                                                                                             \
+int NAME(const float* q, int64_t q_ss, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs, int64_t c_ts,    \
+         int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out, int64_t o_ss,        \
+         int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {                      \
+    const int G = Hq / Hkv;                                                                                   \
+    if (G > MAX_GROUP || G * Hkv != Hq || !fast_path(D, bs)) return 1;                                        \
+    const int ND = D / 8, sh = __builtin_ctz((unsigned)bs), msk = bs - 1;                                     \
+    int err = 0;                                                                                              \
+    _Pragma("omp parallel")                                                                                   \
+    {                                                                                                         \
+        const int lp = ((max_len > 0 ? max_len : 1) + 7) / 8 * 8;                                             \
+        float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)lp);                                   \
+        if (!sc) {                                                                                            \
+            _Pragma("omp atomic write")                                                                       \
+            err = 2;                                                                                          \
+        }                                                                                                     \
+        _Pragma("omp for schedule(dynamic, 1)")                                                               \
+        for (int64_t i = 0; i < (int64_t)S * Hkv; i++) {                                                      \
+            if (!sc) continue;                                                                                \
+            const int s = (int)(i / Hkv), h = (int)(i % Hkv);                                                 \
+            const int len = lens[s];                                                                          \
+            if (len <= 0) continue;                                                                           \
+            NAME##_item(q + s * q_ss + (int64_t)h * G * q_hs, q_hs, kc + h * c_hs, vc + h * c_hs, c_bs, c_ts,  \
+                        bt + s * bt_ss, len, G, ND, sh, msk, scale, out + s * o_ss + (int64_t)h * G * o_hs, o_hs, sc); \
+        }                                                                                                     \
+        free(sc);                                                                                             \
+    }                                                                                                         \
+    return err;                                                                                               \
+}
+
+/* the vector path: head dim a multiple of 8 up to 128, power-of-two block size */
+static int fast_path(int D, int bs) { return D % 8 == 0 && D / 8 <= MAX_ND && bs > 0 && (bs & (bs - 1)) == 0; }
+DEFINE_DECODE(simd_f32, float, ld_f32)
+DEFINE_DECODE(simd_bf16, uint16_t, ld_bf16)
+#else
+static int fast_path(int D, int bs) { (void)D; (void)bs; return 0; }
+#define simd_f32 generic_f32
+#define simd_bf16 generic_bf16
+#endif
+
+#define DEFINE_DISPATCH(NAME, T)                                                                              \
+int decode_##NAME(const float* q, int64_t q_ss, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs,          \
+                  int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out, \
+                  int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) { \
+    if (fast_path(D, bs) && !force_generic)                                                                   \
+        return simd_##NAME(q, q_ss, q_hs, kc, vc, c_bs, c_ts, c_hs, bt, bt_ss, lens, out, o_ss, o_hs, S, Hq,   \
+                           Hkv, D, bs, scale, max_len);                                                       \
+    return generic_##NAME(q, q_ss, q_hs, kc, vc, c_bs, c_ts, c_hs, bt, bt_ss, lens, out, o_ss, o_hs, S, Hq,    \
+                          Hkv, D, bs, scale, max_len);                                                        \
+}
+
+static int force_generic = 0;
+/* 1 if the vector path is compiled in; set_generic(1) routes every call to the portable loops (tests). */
+int has_simd(void) { return fast_path(16, 16); }
+void set_generic(int on) { force_generic = on; }
+DEFINE_DISPATCH(f32, float)
+DEFINE_DISPATCH(bf16, uint16_t)
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
@@ -202,6 +390,10 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = _ARGTYPES
         fn.restype = ctypes.c_int
+    lib.has_simd.restype = ctypes.c_int
+    lib.set_generic.argtypes = [ctypes.c_int]
+    lib.set_generic.restype = None
+    log.debug("CPU attention kernel loaded from %s (AVX2 path: %s)", lib_path, bool(lib.has_simd()))
     return lib
 
 
@@ -219,6 +411,19 @@ def load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load() is not None
+
+
+def has_simd() -> bool:
+    """Whether the AVX2+FMA path was compiled in (head dims that are multiples of 8, power-of-two blocks)."""
+    lib = load()
+    return lib is not None and bool(lib.has_simd())
+
+
+def use_generic(on: bool) -> None:
+    """Route every call to the portable scalar loops (``True``) or back to the vector path: for tests."""
+    lib = load()
+    if lib is not None:
+        lib.set_generic(1 if on else 0)
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -475,13 +475,20 @@ class CausalLM:
             k_cache, v_cache = kv_caches[i]
             backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k, v, k_cache, v_cache, meta)
-            x = F.linear(attn.reshape(t, self.q_size), layer.w_o, layer.b_o)
-            residual = residual + x
+            attn = attn.reshape(t, self.q_size)
+            # residual += attn @ W_o (the GEMM accumulates into the residual: no temporary, no extra pass)
+            if layer.b_o is None:
+                residual.addmm_(attn, layer.w_o.t())  # (the residual is always this forward's own tensor)
+            else:
+                residual = residual + F.linear(attn, layer.w_o, layer.b_o)
             h = self._norm(residual, layer.post_norm)
             gu = F.linear(h, layer.w_gate_up, layer.b_gate_up)
             inter = gu.shape[-1] // 2
-            x = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.w_down, layer.b_down)
-            residual = residual + x
+            act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])  # SwiGLU in place (a strided view)
+            if layer.b_down is None:
+                residual.addmm_(act, layer.w_down.t())
+            else:
+                residual = residual + F.linear(act, layer.w_down, layer.b_down)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             if nxt is not None:
                 h = self._norm(residual, nxt)
