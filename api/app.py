@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from api import metrics
 from api.auth import KeyCache
 from api.errors import first_line, install_handlers
+from api.events import StreamLimiter
 from api.health import RedisHealth
 from api.schemas import Health, Readiness
 from api.validation import NO_NUL_PATTERN
@@ -50,6 +51,8 @@ TAGS = [
 # threads that run the blocking part of submissions (see api/routes_jobs.create_job); 8 measured as fast as
 # 16 with a lower p99 on 2 cores (a tenant's submissions serialise on its PostgreSQL lock anyway)
 SUBMIT_THREADS = 8
+# an event stream waits at most this long for a Redis connection (it should never wait: see async_redis)
+SSE_POOL_WAIT_SECONDS = 10.0
 
 
 class AppState:
@@ -62,6 +65,7 @@ class AppState:
         self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5,
                                           health_check_interval=30, max_connections=64)
         self._aredis: dict[int, aredis.Redis] = {}
+        self.streams = StreamLimiter(settings.sse_max_streams)
         self.key_cache = KeyCache(auth_cache_seconds)
         self.redis_health = RedisHealth()
         # POST /v1/jobs: the blocking part of a submission (database, XADD) runs here, one hop per request;
@@ -75,7 +79,12 @@ class AppState:
         loop = asyncio.get_running_loop()
         client = self._aredis.get(id(loop))
         if client is None:
-            client = aredis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=2, health_check_interval=30)
+            # sized to the stream limit (a stream uses one connection at a time), so a connection is always
+            # free; blocking (not failing) if that ever is not so
+            pool = aredis.BlockingConnectionPool.from_url(
+                self.settings.redis_url, max_connections=self.settings.sse_max_streams,
+                timeout=SSE_POOL_WAIT_SECONDS, socket_connect_timeout=2, health_check_interval=30)
+            client = aredis.Redis.from_pool(pool)
             self._aredis[id(loop)] = client
         return client
 

@@ -8,7 +8,12 @@ Events (``data`` is JSON):
 
 When the stream is gone (expired or never written, e.g. a job cancelled while queued) and the job is
 terminal, the whole text from PostgreSQL is sent as one delta, then the final event. While the job is
-queued the connection stays open (comment lines keep proxies from timing it out).
+queued the connection stays open (comment lines keep proxies from timing it out). If Redis or PostgreSQL
+fails mid-stream, one ``event: error`` (the usual error envelope) ends it.
+
+Capacity: a stream holds at most one Redis connection at a time (only while it reads), so an API process
+serves up to ``sse_max_streams`` streams with a Redis pool of that size (``StreamLimiter``); one more is
+refused with 503 before it starts, never left hanging on the pool.
 """
 
 from __future__ import annotations
@@ -16,20 +21,84 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import redis.exceptions as redis_exc
+import sqlalchemy.exc as sa_exc
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
+from api.errors import error_body, first_line
 from inferq.contract import events_key
 from inferq.db import TERMINAL_STATUSES
+from inferq.log import get_logger
+
+log = get_logger("inferq.api")
 
 BLOCK_MS = 1000
 DB_CHECK_SECONDS = 2.0
 KEEPALIVE_SECONDS = 15.0
 FINAL_WAIT_SECONDS = 3.0  # after a stream `final`, how long to wait for PostgreSQL to show the job terminal
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
+
+
+class StreamLimiter:
+    """Open event streams of this process (all event loops), capped at ``limit`` so that the Redis pool,
+    sized to the same limit, can never run out under the streams."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        with self._lock:
+            if self.open >= self.limit:
+                return False
+            self.open += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.open = max(0, self.open - 1)
+
+
+class LimitedStreamingResponse(StreamingResponse):
+    """Gives its ``StreamLimiter`` slot back however the response ends (finished, client gone, error)."""
+
+    def __init__(self, content: AsyncIterator[str], limiter: StreamLimiter, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._limiter: StreamLimiter | None = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self._limiter is not None:
+            self._limiter.release()
+            self._limiter = None
+
+
+# the headers are sent already when these happen: end the stream with an error event, not a traceback
+_OUTAGES = (redis_exc.RedisError, sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
+
+
+async def guarded(events: AsyncIterator[str], job_id: str) -> AsyncIterator[str]:
+    """``events``, ended by one ``event: error`` if Redis or PostgreSQL fails mid-stream."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except _OUTAGES as exc:
+        what = "redis" if isinstance(exc, redis_exc.RedisError) else "database"
+        log.warning("event stream aborted", job_id=job_id, error=first_line(exc))
+        yield sse("error", error_body("unavailable", f"{what} unavailable: {first_line(exc)}"))
 
 
 def sse(event: str, data: dict[str, Any], id_: str | None = None) -> str:

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy import select, tuple_
 
 from api.auth import Principal, require_key
-from api.errors import ApiError, invalid, not_found, too_many
-from api.events import job_events
+from api.errors import ApiError, invalid, not_found, too_many, unavailable
+from api.events import LimitedStreamingResponse, guarded, job_events
 from api.metrics import REJECTED, SSE_STREAMS, SUBMITTED
 from api.reports import to_utc
 from api.schemas import ErrorResponse, JobList, JobResponse, JobStatus
@@ -209,7 +209,9 @@ def cancel_job(request: Request, job_id: str, principal: Principal = Depends(req
                      'id: 1700000000000-0\nevent: delta\ndata: {"text":"Paris"}\n\n'
                      'id: final\nevent: final\ndata: {"id":"...","status":"succeeded",...}\n\n'}},
                      "description": "An event stream that ends after the final event."},
-               **NOT_FOUND, **AUTH_ERRORS, **INVALID},
+               **NOT_FOUND, **AUTH_ERRORS, **INVALID,
+               503: {"model": ErrorResponse, "description": "The database or Redis is unreachable, or this API "
+                     "process already serves `INFERQ_SSE_MAX_STREAMS` streams (the reason is given)."}},
 )
 def job_event_stream(
     request: Request,
@@ -225,6 +227,10 @@ def job_event_stream(
     if exists is None:
         raise not_found(f"no job {jid}")
     state.redis_health.check(state.redis)
+    if not state.streams.try_acquire():
+        SSE_STREAMS.labels("refused").inc()
+        raise unavailable(f"too many event streams open on this API process (limit {state.streams.limit}, "
+                          "INFERQ_SSE_MAX_STREAMS); retry later, or poll GET /v1/jobs/{id}")
 
     def load_view() -> dict[str, Any] | None:
         with state.session_factory() as s:
@@ -232,8 +238,9 @@ def job_event_stream(
 
     async def stream() -> Any:
         SSE_STREAMS.labels("redis").inc()
-        async for chunk in job_events(state.async_redis(), state.settings.stream_prefix, jid, load_view, last_event_id):
+        events = job_events(state.async_redis(), state.settings.stream_prefix, jid, load_view, last_event_id)
+        async for chunk in guarded(events, jid):
             yield chunk
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return LimitedStreamingResponse(stream(), state.streams, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

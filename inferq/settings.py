@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     default_max_queued_jobs: int = Field(1000, description="Per-tenant cap on queued jobs (429 above).")
     default_tokens_per_minute: int = Field(2_000_000, description="Per-tenant token rate limit (429 above).")
     tier_queue_cap: int = Field(100_000, description="Per-tier cap on queued jobs (429 above).")
+    sse_max_streams: int = Field(
+        1000, ge=1, description="Most server-sent event streams one API process serves at once (503 above); each "
+        "holds at most one Redis connection, and the streams' Redis pool is sized to match.")
     webhook_allowlist: str = Field("", description="Comma-separated hosts or CIDRs that webhooks may target even if private.")
     webhook_max_attempts: int = 8
     webhook_timeout_seconds: float = 10.0

@@ -39,6 +39,8 @@ class WorkerMetrics:
                                  registry=r)
         self.handed_back = Counter("inferq_jobs_handed_back", "Jobs handed back to the queue at shutdown.", registry=r)
         self.db_errors = Counter("inferq_db_errors", "Database operations that failed (outages).", registry=r)
+        self.result_write_errors = Counter("inferq_result_write_errors",
+                                           "Jobs failed because their result could not be stored.", registry=r)
         self.queue_time = Histogram("inferq_queue_seconds", "Acceptance to start.", ["tier"],
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("inferq_time_to_first_token_seconds", "Acceptance to first token.", ["tier"],

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_gemm
 from kernels.backend import AttentionBackend, AttentionMetadata
+from kernels.cpu_gemm import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -233,15 +235,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    w_qkv: torch.Tensor
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
-    b_o: torch.Tensor | None
+    qkv: Linear  # q, k, v projections stacked (q and k rows permuted for the complex RoPE path)
+    o: Linear
     post_norm: torch.Tensor
-    w_gate_up: torch.Tensor
-    b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor
-    b_down: torch.Tensor | None
+    gate_up: Linear  # gate and up stacked
+    down: Linear
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -271,6 +269,7 @@ class CausalLM:
         dtype: torch.dtype,
         device: torch.device,
         where: str = "checkpoint",
+        gemm_autotune: bool = True,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -310,14 +309,10 @@ class CausalLM:
                 return t  # (a shape mismatch is reported below)
             return t.view(heads, c.head_dim, *t.shape[1:])[:, half_perm].reshape(t.shape)
 
-        # CPU: keep each projection as the transpose of a contiguous [in, out] matrix, so F.linear runs an
-        # NN GEMM; MKL's NT path (the checkpoint's [out, in] layout) is up to 2-3x slower at decode batch sizes.
-        nn_layout = device.type == "cpu"
-
-        def mat(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or not nn_layout:
-                return t
-            return t.t().contiguous().t()
+        # CPU: each projection's layout and GEMM form are measured on this machine (kernels/cpu_gemm.py)
+        def linear(w_oi: torch.Tensor | None, b: torch.Tensor | None) -> Linear:
+            assert w_oi is not None  # take() raised for missing required weights
+            return cpu_gemm.plan(w_oi, b, autotune=gemm_autotune)
 
         self.embed = take("embed_tokens.weight")
         if self.embed.shape[0] < c.vocab_size:
@@ -332,28 +327,28 @@ class CausalLM:
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    w_qkv=mat(cat(
-                        rope_rows(take(a + "q_proj.weight"), c.num_heads),
-                        rope_rows(take(a + "k_proj.weight"), c.num_kv_heads),
-                        take(a + "v_proj.weight"),
-                    )),
-                    b_qkv=cat(
-                        rope_rows(take(a + "q_proj.bias", c.qkv_bias), c.num_heads),
-                        rope_rows(take(a + "k_proj.bias", c.qkv_bias), c.num_kv_heads),
-                        take(a + "v_proj.bias", c.qkv_bias),
+                    qkv=linear(
+                        cat(
+                            rope_rows(take(a + "q_proj.weight"), c.num_heads),
+                            rope_rows(take(a + "k_proj.weight"), c.num_kv_heads),
+                            take(a + "v_proj.weight"),
+                        ),
+                        cat(
+                            rope_rows(take(a + "q_proj.bias", c.qkv_bias), c.num_heads),
+                            rope_rows(take(a + "k_proj.bias", c.qkv_bias), c.num_kv_heads),
+                            take(a + "v_proj.bias", c.qkv_bias),
+                        ),
                     ),
-                    w_o=mat(take(a + "o_proj.weight")),
-                    b_o=take(a + "o_proj.bias", False),
+                    o=linear(take(a + "o_proj.weight"), take(a + "o_proj.bias", False)),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    w_gate_up=mat(cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight"))),
-                    b_gate_up=cat(take(m + "gate_proj.bias", False), take(m + "up_proj.bias", False)),
-                    w_down=mat(take(m + "down_proj.weight")),
-                    b_down=take(m + "down_proj.bias", False),
+                    gate_up=linear(cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
+                                   cat(take(m + "gate_proj.bias", False), take(m + "up_proj.bias", False))),
+                    down=linear(take(m + "down_proj.weight"), take(m + "down_proj.bias", False)),
                 )
             )
             q_out = c.num_heads * c.head_dim
             kv_out = c.num_kv_heads * c.head_dim
-            if self.layers[-1].w_qkv.shape[0] != q_out + 2 * kv_out:
+            if self.layers[-1].qkv.out_features != q_out + 2 * kv_out:
                 raise ModelError(
                     f"{where}: layer {i} attention weights do not match the config's head counts"
                 )
@@ -363,9 +358,13 @@ class CausalLM:
             if not c.tie_word_embeddings:
                 # Some exports drop lm_head even without the flag; the embedding is the only sensible choice.
                 pass
-            self.lm_head = self.embed
+            lm_head = self.embed
+        elif c.tie_word_embeddings:
+            lm_head = self.embed
         else:
-            self.lm_head = self.embed if c.tie_word_embeddings else lm_head.to(device=device, dtype=dtype)
+            lm_head = lm_head.to(device=device, dtype=dtype)
+        # a tied head shares the embedding table, which must stay [vocab, hidden]
+        self.lm_head = cpu_gemm.plan(lm_head, keep_layout=lm_head is self.embed, autotune=gemm_autotune)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
@@ -459,7 +458,7 @@ class CausalLM:
         residual = x
         h = self._norm(x, self.layers[0].input_norm) if self.layers else x
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)  # [T, (Hq + 2Hkv) D]
+            qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
             if complex_rope:  # interleaved pairs (see __init__): RoPE on q and k as one complex multiply
                 qk = torch.view_as_complex(qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, half, 2))
                 qk = torch.view_as_real(qk * cos).view(t, qk_heads, d)
@@ -476,25 +475,19 @@ class CausalLM:
             backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k, v, k_cache, v_cache, meta)
             attn = attn.reshape(t, self.q_size)
-            # residual += attn @ W_o (the GEMM accumulates into the residual: no temporary, no extra pass)
-            if layer.b_o is None:
-                residual.addmm_(attn, layer.w_o.t())  # (the residual is always this forward's own tensor)
-            else:
-                residual = residual + F.linear(attn, layer.w_o, layer.b_o)
+            # residual += attn W_o^T in place (the residual is always this forward's own tensor)
+            layer.o.add_to(residual, attn)
             h = self._norm(residual, layer.post_norm)
-            gu = F.linear(h, layer.w_gate_up, layer.b_gate_up)
+            gu = layer.gate_up(h, contiguous=False)  # SiLU-mul and the down GEMM take any strides
             inter = gu.shape[-1] // 2
             act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])  # SwiGLU in place (a strided view)
-            if layer.b_down is None:
-                residual.addmm_(act, layer.w_down.t())
-            else:
-                residual = residual + F.linear(act, layer.w_down, layer.b_down)
+            layer.down.add_to(residual, act)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             if nxt is not None:
                 h = self._norm(residual, nxt)
         if logits_indices is not None:
             residual = residual.index_select(0, logits_indices)
         h = self._norm(residual, self.norm)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h, contiguous=False).float()  # the sampler takes any strides
 
     __call__ = forward

@@ -36,7 +36,7 @@ from typing import Any
 import redis as redis_lib
 import structlog
 from sqlalchemy import case, select, update
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from inferq import jobs
@@ -60,6 +60,8 @@ log = get_logger("inferq.worker")
 MAX_START_BATCH = 64  # messages claimed per loop iteration (keeps step latency bounded)
 DB_BACKOFF_FIRST = 0.1
 DB_BACKOFF_CAP = 5.0
+# errors about one job's rows (SQLSTATE classes 22 and 23): that job fails, the worker goes on
+ROW_ERRORS = (DataError, IntegrityError)
 
 
 class DBUnavailable(Exception):
@@ -693,20 +695,15 @@ class Worker:
                 for f in list(self.final_q):
                     def one(f: Final = f) -> bool:
                         try:
-                            ok = jobs.finish(s, f.inf.job_id, f.outcome, from_statuses=("running",),
-                                             attempt=f.inf.attempt, worker=self.name)
-                        except IntegrityError:
-                            ok = False
-                        if ok:
-                            s.commit()
-                            return True
+                            if jobs.finish(s, f.inf.job_id, f.outcome, from_statuses=("running",),
+                                           attempt=f.inf.attempt, worker=self.name):
+                                s.commit()
+                                return True
+                        except ROW_ERRORS as exc:  # this job's row cannot be stored (outages are not these)
+                            s.rollback()
+                            return self._fail_unstorable(s, f, exc)
                         s.rollback()
-                        # written already? (a commit whose acknowledgement was lost in an outage)
-                        row = s.execute(select(Job.status, Job.worker, Job.attempts)
-                                        .where(Job.id == f.inf.job_id)).first()
-                        s.rollback()
-                        return row is not None and row[0] == f.outcome.status and row[1] == self.name \
-                            and row[2] == f.inf.attempt
+                        return self._written_already(s, f)
 
                     try:
                         ok = self._db(one)
@@ -721,6 +718,51 @@ class Worker:
         finally:
             if done:
                 self._after_finalize(done)
+
+    def _job_row(self, s: Any, f: Final) -> tuple[str, str | None, int] | None:
+        row = s.execute(select(Job.status, Job.worker, Job.attempts).where(Job.id == f.inf.job_id)).first()
+        s.rollback()
+        return None if row is None else (row[0], row[1], row[2])
+
+    def _written_already(self, s: Any, f: Final) -> bool:
+        """A commit whose acknowledgement was lost in an outage: the row already says what we meant."""
+        row = self._job_row(s, f)
+        return row == (f.outcome.status, self.name, f.inf.attempt)
+
+    def _fail_unstorable(self, s: Any, f: Final, exc: BaseException) -> bool:
+        """The result of this one job cannot be written (a value PostgreSQL refuses, a constraint or trigger
+        on its rows): record the job as failed with the reason, an empty result and its ledger row, so its message is acknowledged and the worker goes on with the others. If even
+        that is refused, the status alone. Fenced like any finish; an outage propagates (retried later)."""
+        if self._written_already(s, f):
+            return True
+        row = self._job_row(s, f)
+        if row != ("running", self.name, f.inf.attempt):
+            return False  # not ours any more: discarded like any fenced-out result
+        orig = getattr(exc, "orig", None) or exc
+        detail = (str(orig).strip().splitlines() or [""])[0]
+        reason = f"could not store the result: {type(orig).__name__}: {detail}"[:1000].replace("\x00", "\ufffd")
+        f.inf.log.error("job result could not be stored; marking the job failed", error=reason)
+        self.metrics.result_write_errors.inc()
+        o = f.outcome  # billed like any failed job: for what was computed
+        f.outcome = jobs.Outcome(status="failed", finish_reason="error", error=reason, prompt_tokens=o.prompt_tokens,
+                                 cached_prompt_tokens=o.cached_prompt_tokens, completion_tokens=o.completion_tokens,
+                                 compute_seconds=o.compute_seconds, first_token_at=o.first_token_at)
+        fence = (Job.attempts == f.inf.attempt, Job.worker == self.name)
+        try:
+            ok = jobs.finish(s, f.inf.job_id, f.outcome, from_statuses=("running",),
+                             attempt=f.inf.attempt, worker=self.name)
+            if ok:
+                s.commit()
+                return True
+        except ROW_ERRORS as again:
+            s.rollback()
+            f.inf.log.error("could not store the failed job's result row either; status only", error=str(again)[:300])
+            ok = jobs.transition(s, f.inf.job_id, "running", "failed", where=fence, error=reason)
+            if ok:
+                s.commit()
+                return True
+        s.rollback()
+        return self._written_already(s, f)
 
     def _after_finalize(self, done: list[tuple[Final, bool]]) -> None:
         pipe = self.redis.pipeline(transaction=False)

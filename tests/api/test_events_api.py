@@ -4,6 +4,7 @@ expired-stream fallback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -148,3 +149,85 @@ def test_sse_401_404(client, make_tenant):
     job_id = client.post("/v1/jobs", json=BODY, headers=a.headers).json()["id"]
     assert client.get(f"/v1/jobs/{job_id}/events").status_code == 401
     assert client.get(f"/v1/jobs/{job_id}/events", headers=b.headers).status_code == 404
+
+
+async def _aread_sse(resp: httpx.Response) -> list[tuple[str, str | None, dict]]:
+    lines = [line async for line in resp.aiter_lines()]
+    return read_sse(type("Lines", (), {"iter_lines": lambda self: iter(lines)})())
+
+
+def test_sse_many_concurrent_streams(client, tenant, db, redis_client, settings):
+    """More concurrent streams than redis-py's default asyncio pool (100 connections) all get their
+    deltas and final event: every stream blocks in XREAD at the same time before anything is published."""
+    n = 120
+    ids = [client.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"] for _ in range(n)]
+
+    def publish() -> None:
+        for jid in ids:
+            _start(db, jid)
+            _delta(redis_client, settings, jid, f"text-{jid[:8]}")
+            _finish(db, redis_client, settings, jid, f"text-{jid[:8]}")
+
+    async def main() -> list[tuple[int, list]]:
+        opened = 0
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=60, limits=limits) as ac:
+            async def consume(jid: str) -> tuple[int, list]:
+                nonlocal opened
+                async with ac.stream("GET", f"/v1/jobs/{jid}/events", headers=tenant.headers) as r:
+                    opened += 1
+                    if r.status_code != 200:
+                        return r.status_code, []
+                    return r.status_code, await _aread_sse(r)
+
+            tasks = [asyncio.create_task(consume(jid)) for jid in ids]
+            deadline = time.monotonic() + 30
+            while opened < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.5)  # every stream is now blocked in XREAD on its own key
+            await asyncio.get_running_loop().run_in_executor(None, publish)
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+    results = asyncio.run(main())
+    bad = [(jid, r) for jid, r in zip(ids, results, strict=True)
+           if isinstance(r, BaseException) or r[0] != 200 or [e[0] for e in r[1]] != ["delta", "final"]]
+    assert not bad, f"{len(bad)} of {n} streams failed, e.g. {bad[:3]}"
+    for jid, (_, events) in zip(ids, results, strict=True):
+        assert events[0][2] == {"text": f"text-{jid[:8]}"} and events[1][2]["status"] == "succeeded"
+
+
+def test_sse_stream_limit_503(serve, settings, make_tenant, db, redis_client):
+    """Above ``sse_max_streams`` open streams a new one is refused with a clear 503; a slot is freed as
+    soon as a client disconnects."""
+    base = serve(settings.model_copy(update={"sse_max_streams": 2}))
+    tenant = make_tenant()
+    with httpx.Client(base_url=base, timeout=30) as c:
+        ids = [c.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"] for _ in range(3)]
+        s1 = c.stream("GET", f"/v1/jobs/{ids[0]}/events", headers=tenant.headers)
+        s2 = c.stream("GET", f"/v1/jobs/{ids[1]}/events", headers=tenant.headers)
+        r1, r2 = s1.__enter__(), s2.__enter__()
+        try:
+            assert r1.status_code == 200 and r2.status_code == 200
+            r3 = c.get(f"/v1/jobs/{ids[2]}/events", headers=tenant.headers)
+            assert r3.status_code == 503, r3.text
+            err = r3.json()["error"]
+            assert err["type"] == "unavailable" and "event streams" in err["message"] and "2" in err["message"]
+            assert r3.headers["Retry-After"]
+        finally:
+            s1.__exit__(None, None, None)
+        # the first client went away: its slot comes back (within the XREAD block time)
+        _start(db, ids[2])
+        _finish(db, redis_client, settings, ids[2], "done")
+
+        def third() -> int:
+            with c.stream("GET", f"/v1/jobs/{ids[2]}/events", headers=tenant.headers) as r:
+                if r.status_code != 200:
+                    return r.status_code
+                assert [e[0] for e in read_sse(r)] == ["final"]
+                return 200
+
+        deadline = time.monotonic() + 10
+        while (code := third()) != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert code == 200
+        s2.__exit__(None, None, None)

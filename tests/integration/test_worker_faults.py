@@ -324,3 +324,72 @@ def test_sigterm_hands_back_in_flight_jobs(svc):
     queued_msgs = svc.redis.xrange(stream_key(svc.prefix, svc.model, "interactive"))
     assert {msgpack.unpackb(f[b"m"])["job_id"] for _, f in queued_msgs} >= set(back)
     assert "handed jobs back to the queue" in svc.main.log_text()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a result PostgreSQL refuses for one job (its own worker and namespace: no effect on the tests above)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_unstorable_result_fails_only_that_job(pg_url, private_redis, tiny_model, tmp_path):  # noqa: F811
+    """A trigger refuses the `results` row of marked jobs: `text` jobs with a DataError unless the row is an
+    error result, `all` jobs with an IntegrityError always. The worker fails just those jobs (with the
+    reason), acknowledges their messages, keeps running and finishes the others."""
+    from sqlalchemy import text
+
+    svc2 = Service(pg_url, private_redis.url, tiny_model, tmp_path)
+    fn = f"poison_{uuid.uuid4().hex[:8]}"
+    with svc2.engine.begin() as conn:
+        conn.execute(text(f"""
+            CREATE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$
+            DECLARE mark text;
+            BEGIN
+                SELECT metadata ->> 'poison' INTO mark FROM jobs WHERE id = NEW.job_id;
+                IF mark = 'text' AND NEW.finish_reason <> 'error' THEN
+                    RAISE EXCEPTION 'poisoned result of %', NEW.job_id USING ERRCODE = '22000';
+                ELSIF mark = 'all' THEN
+                    RAISE EXCEPTION 'poisoned row of %', NEW.job_id USING ERRCODE = '23514';
+                END IF;
+                RETURN NEW;
+            END $$"""))
+        conn.execute(text(f"CREATE TRIGGER {fn} BEFORE INSERT ON results FOR EACH ROW EXECUTE FUNCTION {fn}()"))
+    try:
+        w = svc2.start_worker()
+        wait_for(lambda: svc2.stats(w) or not w.alive(), 150, what="the worker to start")
+        assert w.alive(), w.log_text()[-3000:]
+        good = [svc2.submit(max_tokens=8, ignore_eos=True) for _ in range(2)]
+        bad_text = svc2.submit(max_tokens=8, ignore_eos=True, metadata={"poison": "text"})
+        bad_all = svc2.submit(max_tokens=8, ignore_eos=True, metadata={"poison": "all"})
+        good += [svc2.submit(max_tokens=8, ignore_eos=True) for _ in range(2)]
+        st = svc2.wait_status(good + [bad_text, bad_all], timeout=60)
+        assert w.alive(), w.log_text()[-4000:]
+        assert st == {**{j: "succeeded" for j in good}, bad_text: "failed", bad_all: "failed"}, _dump_logs(svc2)
+        for jid in good:
+            svc2.assert_one_result(jid)
+        job = svc2.job(bad_text)
+        assert "could not store the result" in job.error and f"poisoned result of {bad_text}" in job.error
+        assert job.attempts == 1
+        result, ledger = svc2.assert_one_result(bad_text)  # the failure itself is stored: empty error result
+        assert result.finish_reason == "error" and result.text == ""
+        assert ledger.status == "failed" and ledger.completion_tokens == 8  # billed for what was computed
+        job = svc2.job(bad_all)
+        assert "could not store the result" in job.error and f"poisoned row of {bad_all}" in job.error
+        assert job.attempts == 1 and svc2.rows(bad_all)[0] == []
+        # acknowledged (and deleted), and the stream readers were told
+        stream = stream_key(svc2.prefix, svc2.model, "interactive")
+        wait_for(lambda: svc2.redis.xpending(stream, svc2.settings.consumer_group)["pending"] == 0, 10,
+                 what="no pending messages")
+        assert svc2.redis.xlen(stream) == 0
+        for jid in (bad_text, bad_all):
+            last = svc2.redis.xrevrange(events_key(svc2.prefix, jid), count=1)
+            assert json.loads(last[0][1][b"data"])["status"] == "failed"
+        # and it keeps serving
+        after = svc2.submit(max_tokens=4, ignore_eos=True)
+        assert svc2.wait_status([after], timeout=60)[after] == "succeeded"
+        assert w.alive()
+        assert "job result could not be stored" in w.log_text()
+    finally:
+        with svc2.engine.begin() as conn:
+            conn.execute(text(f"DROP TRIGGER IF EXISTS {fn} ON results"))
+            conn.execute(text(f"DROP FUNCTION IF EXISTS {fn}()"))
+        svc2.close()

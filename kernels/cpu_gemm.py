@@ -1,0 +1,154 @@
+"""The model's projections (y = x W^T + b), each in the weight layout and GEMM form this CPU runs fastest.
+
+Why: on CPU the same product can be handed to the BLAS four ways — the weight kept ``[out, in]`` (the
+checkpoint's layout) or ``[in, out]``, and the product computed as ``x @ W^T`` (row-major output) or as
+``W @ x^T`` (then read back transposed) — and which one is fastest depends on the CPU and the batch size M,
+by up to 2x. Measured with MKL (torch 2.13 CPU wheel), float32, 2 threads, GFLOP/s at M = 64:
+
+    CPU                 shape (K -> N)   x@W^T [out,in]  x@W [in,out]  W@x^T [out,in]
+    AMD EPYC (AVX2)     576 -> 3072           66-104         55-62        110-114
+    AMD EPYC (AVX2)     576 -> 49152          54-69          56            85-113
+    Intel Xeon (AVX-512) the [in,out] form was 2-3x faster than x@W^T [out,in] at decode sizes
+
+so a fixed choice is wrong somewhere. :func:`plan` times the candidates once per weight shape at load (a few
+M values standing for decode-sized, mid and prefill-sized batches, interleaved, best of several runs),
+keeps the weight in the winning layout (one copy, never two) and records the best form per M bucket.
+The result is cached per shape for the process. Off the CPU the plan is plain ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# M upper bounds of the buckets (decode-sized, mid, large, above: prefill-sized) and the M timed for each;
+# a probe over MAX_PROBE_FLOP (the tied LM head at prefill sizes, never run: logits are per sequence) takes
+# the previous bucket's choice
+BUCKET_LIMITS = (16, 128, 512)
+PROBE_M = (8, 64, 256, 1024)
+MAX_PROBE_FLOP = 2e10
+SCRATCH_BYTES = 64 << 20  # more than the last-level cache of the CPUs seen here
+
+_plans: dict[tuple, tuple[str, tuple[str, ...]]] = {}
+_lock = threading.Lock()
+
+
+def _bucket(m: int) -> int:
+    for i, limit in enumerate(BUCKET_LIMITS):
+        if m <= limit:
+            return i
+    return len(BUCKET_LIMITS)
+
+
+@dataclass
+class Linear:
+    """One projection. ``weight`` is ``[out, in]`` contiguous (layout "oi") or ``[in, out]`` contiguous
+    ("io"); ``forms[b]`` is "xw" (``x @ W^T``, one GEMM writing rows) or "wx" (``W @ x^T``, a GEMM writing
+    columns, then transposed back) for M bucket b."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    layout: str = "oi"
+    forms: tuple[str, ...] = ("xw",) * (len(BUCKET_LIMITS) + 1)
+
+    @property
+    def w_oi(self) -> torch.Tensor:
+        """The weight as an ``[out, in]`` tensor (a view when stored ``[in, out]``)."""
+        return self.weight if self.layout == "oi" else self.weight.t()
+
+    @property
+    def out_features(self) -> int:
+        return int(self.w_oi.shape[0])
+
+    def _wx(self, x: torch.Tensor) -> torch.Tensor:
+        """``(W @ x^T)^T``: a transposed view of an ``[out, M]`` result."""
+        if self.bias is None:
+            return torch.mm(self.w_oi, x.t()).t()
+        return torch.addmm(self.bias[:, None], self.w_oi, x.t()).t()
+
+    def __call__(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+        """``x W^T + b`` as an ``[M, out]`` tensor: contiguous, or with ``contiguous=False`` possibly a
+        transposed view (for consumers that take any strides: elementwise ops, another :class:`Linear`)."""
+        if self.forms[_bucket(x.shape[0])] == "wx":
+            y = self._wx(x)
+            return y.contiguous() if contiguous else y
+        return F.linear(x, self.w_oi, self.bias)
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out += x W^T + b`` in place (``out`` must be this forward's own tensor); returns ``out``."""
+        if self.forms[_bucket(x.shape[0])] == "wx":
+            return out.add_(self._wx(x))
+        if self.bias is None:
+            return out.addmm_(x, self.w_oi.t())
+        return out.add_(F.linear(x, self.w_oi, self.bias))
+
+
+def _time(fn, x: torch.Tensor, scratch: torch.Tensor) -> float:
+    # In the model a weight is read once per step, after every other layer's: cold in the caches. Evict it
+    # (write a buffer larger than the last-level cache) so the probe measures that, not a hot-cache GEMM.
+    scratch.add_(1.0)
+    t = time.perf_counter()
+    fn(x, False)
+    return time.perf_counter() - t
+
+
+def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    n, k = weight_oi.shape
+    dt = weight_oi.dtype
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(m, k, generator=gen).to(dt) for m in PROBE_M if 2 * m * n * k <= MAX_PROBE_FLOP]
+    candidates = []
+    for layout in layouts:
+        w = weight_oi if layout == "oi" else weight_oi.t().contiguous()
+        for form in ("xw", "wx"):
+            candidates.append((layout, form, Linear(w, None, layout, (form,) * len(PROBE_M))))
+    best = {(layout, form, i): float("inf") for layout, form, _ in candidates for i in range(len(xs))}
+    scratch = torch.zeros(SCRATCH_BYTES // 4)
+    with torch.inference_mode():
+        for i, x in enumerate(xs):
+            for _, _, lin in candidates:  # warm-up
+                lin(x)
+            reps = 4 if n * k * x.shape[0] < 2e8 else 2
+            for r in range(reps):  # interleaved, order flipped each round: noise hits every candidate alike
+                for layout, form, lin in candidates if r % 2 == 0 else reversed(candidates):
+                    best[layout, form, i] = min(best[layout, form, i], _time(lin, x, scratch))
+    floor = [min(best[key] for key in best if key[2] == i) for i in range(len(xs))]
+    chosen: tuple[float, str, tuple[str, ...]] | None = None
+    for layout in layouts:
+        forms = tuple(min(("xw", "wx"), key=lambda f, i=i: best[layout, f, i]) for i in range(len(xs)))
+        forms += forms[-1:] * (len(PROBE_M) - len(forms))
+        score = sum(best[layout, forms[i], i] / floor[i] for i in range(len(xs)))
+        if chosen is None or score < chosen[0]:
+            chosen = (score, layout, forms)  # type: ignore[assignment]
+    assert chosen is not None
+    return chosen[1], chosen[2]  # type: ignore[return-value]
+
+
+def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, keep_layout: bool = False,
+         autotune: bool = True) -> Linear:
+    """A :class:`Linear` for ``weight_oi`` (``[out, in]``). On CPU with ``autotune``, the layout and the form
+    per M bucket are measured (once per shape and dtype in this process); ``keep_layout`` keeps ``[out, in]``
+    (a weight shared with the embedding table). Elsewhere: ``[out, in]`` and ``F.linear``."""
+    weight_oi = weight_oi.contiguous()
+    if weight_oi.device.type != "cpu" or not autotune:
+        return Linear(weight_oi, bias)
+    layouts = ("oi",) if keep_layout else ("oi", "io")
+    key = (tuple(weight_oi.shape), weight_oi.dtype, layouts, torch.get_num_threads())
+    with _lock:
+        found = _plans.get(key)
+        if found is None:
+            found = _plans[key] = _measure(weight_oi, layouts)
+    layout, forms = found
+    weight = weight_oi if layout == "oi" else weight_oi.t().contiguous()
+    return Linear(weight, bias, layout, forms)
+
+
+def plans() -> dict[str, str]:
+    """The plans chosen so far, for logs and benchmark records: ``"out x in dtype" -> "layout forms"``."""
+    with _lock:
+        return {f"{k[0][0]}x{k[0][1]} {str(k[1]).removeprefix('torch.')}": f"{v[0]} {'/'.join(v[1])}"
+                for k, v in _plans.items()}
