@@ -197,11 +197,25 @@ static void NAME##_item(const float* q, int64_t q_hs, const T* kc, const T* vc, 
     __m256 mx[MAX_GROUP];                                                                                     \
     for (int g = 0; g < G; g++) mx[g] = ninf;                                                                 \
     const T* krow[8];                                                                                         \
+    const int row_bytes = ND * 8 * (int)sizeof(T);                                                           \
     for (int b = 0; b < nch; b++) {                                                                           \
         const int n = (b == nch - 1) ? len - b * 8 : 8;                                                       \
         for (int t = 0; t < n; t++) {                                                                         \
             const int p = b * 8 + t;                                                                          \
             krow[t] = kc + (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;                           \
+        }                                                                                                     \
+        /* the next chunk's K rows to L1, and this chunk's V rows to L2 for pass 3 (blocks are scattered, so   \
+           the hardware prefetcher cannot run ahead across them) */                                           \
+        for (int t = 0; t < 8; t++) {                                                                         \
+            const int p = (b + 1) * 8 + t, pv = b * 8 + t;                                                    \
+            if (p < len) {                                                                                    \
+                const char* r = (const char*)(kc + (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts);  \
+                for (int l = 0; l < row_bytes; l += 64) _mm_prefetch(r + l, _MM_HINT_T0);                     \
+            }                                                                                                 \
+            if (pv < len) {                                                                                   \
+                const char* r = (const char*)(vc + (int64_t)bt[pv >> sh] * c_bs + (int64_t)(pv & msk) * c_ts); \
+                for (int l = 0; l < row_bytes; l += 64) _mm_prefetch(r + l, _MM_HINT_T1);                     \
+            }                                                                                                 \
         }                                                                                                     \
         for (int g = 0; g < G; g++) {                                                                         \
             const float* qg = q + (int64_t)g * q_hs;                                                          \
