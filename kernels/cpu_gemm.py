@@ -143,6 +143,7 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, keep_layo
         if found is None:
             found = _plans[key] = _measure(weight_oi, layouts)
     layout, forms = found
+    # (2 MiB pages for the weights too were measured: no gain, unlike the KV cache)
     weight = weight_oi if layout == "oi" else weight_oi.t().contiguous()
     return Linear(weight, bias, layout, forms)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from inferq.log import get_logger
-from kernels import cpu_gemm
+from kernels import cpu_gemm, hugepages
 from kernels.backend import AttentionBackend, AttentionMetadata
 from kernels.cpu_gemm import Linear
 
@@ -430,6 +430,9 @@ class CausalLM:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        if self.device.type == "cpu":  # 2 MiB pages: fewer TLB misses for scattered block reads
+            return [(hugepages.zeros(shape, self.dtype), hugepages.zeros(shape, self.dtype))
+                    for _ in range(c.num_layers)]
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

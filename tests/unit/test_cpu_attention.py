@@ -80,3 +80,20 @@ def test_long_context_softmax_is_stable():
     expected = reference.paged_attention(query, kc, vc, tables, seq_lens, torch.tensor([0, 1], dtype=torch.int32),
                                          0.125)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_huge_page_buffers_are_zeroed_aligned_and_outlive_their_views():
+    import gc
+
+    from kernels import hugepages
+
+    t = hugepages.zeros((3, 1024, 1024), torch.float32)  # 12 MiB: mapped, 2 MiB aligned
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.float32 and not t.any()
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    t[1].fill_(2.0)
+    view = t[1]
+    del t
+    gc.collect()
+    assert float(view.sum()) == 2.0 * 1024 * 1024  # the mapping lives while a view does
+    small = hugepages.zeros((4, 4), torch.bfloat16)  # below one huge page: an ordinary tensor
+    assert small.dtype == torch.bfloat16 and not small.any()
