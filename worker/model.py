@@ -506,6 +506,6 @@ class CausalLM:
         if logits_indices is not None:
             residual = residual.index_select(0, logits_indices)
         h = self._norm(residual, self.norm)
-        return self.lm_head(h, contiguous=False).float()  # the sampler takes any strides
+        return self.lm_head(h).float()  # contiguous: the sampler's row-wise argmax is 3x slower on a transposed view
 
     __call__ = forward
