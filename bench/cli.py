@@ -38,6 +38,8 @@ def bench(
     out: Annotated[str | None, typer.Option(help="Results folder (default bench/results).")] = None,
     tag: Annotated[str | None, typer.Option(help="File stem of the results (default: the benchmark's name).")] = None,
     quick: Annotated[bool, typer.Option(help="Tiny sizes (a smoke run, seconds).")] = False,
+    allow_slow_half: Annotated[bool, typer.Option(help="throughput: run bfloat16/float16 even on a CPU without a "
+                                                       "native half-precision GEMM (hours, not minutes).")] = False,
 ) -> None:
     """Run one benchmark; prints a table and 'target vs measured' lines, writes NAME.json and NAME.png."""
     kw: dict = {}
@@ -71,7 +73,8 @@ def bench(
                 kw["prompt_len"] = (min(32, max_prompt), max_prompt)
             if max_output:
                 kw["output_len"] = (min(16, max_output), max_output)
-        throughput.run(model, seed=seed, repeats=repeats, sharegpt=sharegpt, **kw)
+        throughput.run(model, seed=seed, repeats=repeats, sharegpt=sharegpt, allow_slow_half=allow_slow_half or quick,
+                       **kw)
     elif name == "prefix":
         from bench import prefix
 

@@ -256,6 +256,26 @@ def default_cases(runner) -> dict:
     }
 
 
+def step_bench(runner, repeats: int = 5, log=print) -> dict:
+    """ms per ``runner.execute`` on :func:`default_cases`, with attention and with attention replaced by a copy
+    of the query (the difference is attention's share), interleaved, best of ``repeats``."""
+    from kernels import backend
+
+    real = backend.TorchBackend.forward
+
+    def with_attention() -> None:
+        backend.TorchBackend.forward = real
+
+    def without_attention() -> None:
+        backend.TorchBackend.forward = lambda self, query, *a, **k: query.clone()
+
+    try:
+        return forward_bench(runner, {"full step": with_attention, "no attention": without_attention},
+                             default_cases(runner), repeats=repeats, log=log)
+    finally:
+        backend.TorchBackend.forward = real
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -273,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf", action="store_true", help="also time HF generate, static batches of --hf-batch")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--steps", action="store_true",
+                    help="time single synthetic steps instead (decode with 64/32/8 sequences at the mixed "
+                         "workload's context lengths, a 4 x 512-token prefill), with and without attention")
     args = ap.parse_args(argv)
 
     import os
@@ -287,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     eng = InferqOffline(model_dir, args.dtype, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         threads=threads, tokenizer=False)
+    if args.steps:
+        print(common.machine_line(common.machine_info(args.dtype)), f"| torch threads {torch.get_num_threads()}")
+        step_bench(eng.runner)
+        return
     wl = mixed(args.requests, args.seed, vocab_size=int(eng.info.vocab_size), prompt_len=tuple(args.prompt_len),
                output_len=tuple(args.output_len))
     print(common.machine_line(common.machine_info(args.dtype)), f"| torch threads {torch.get_num_threads()}")

@@ -38,7 +38,7 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bflo
         engines: tuple[str, ...] = DEFAULT_ENGINES, repeats: int = 1, hf_batch_size: int = 16,
         kv_cache_memory: str = "2GiB", max_num_seqs: int = 64, max_batched_tokens: int = 2048,
         threads: int | None = None, out: str | Path | None = None, tag: str = "throughput",
-        sharegpt: str | None = None, log=print) -> dict:
+        sharegpt: str | None = None, allow_slow_half: bool = False, log=print) -> dict:
     model_dir = common.resolve_model_dir(model)
     threads = threads or os.cpu_count() or 1
     import torch
@@ -64,6 +64,13 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bflo
         workload = mixed(requests, seed, vocab_size=vocab, prompt_len=prompt_len, output_len=output_len)
     log(f"workload: {workload.summary()}")
     for dtype in dtypes:
+        if dtype in ("bfloat16", "float16") and not allow_slow_half and not _native_half_gemm():
+            reason = (f"{dtype} skipped: this CPU has no native half-precision matrix multiply (no AVX512-BF16 / "
+                      "AMX); torch falls back to a reference GEMM ~25x slower than float32, so the run would take "
+                      "hours (--allow-slow-half runs it anyway)")
+            skipped[dtype] = reason
+            log(reason)
+            continue
         rows += _run_dtype(model_dir, dtype, workload, engines=engines, repeats=repeats, hf_batch_size=hf_batch_size,
                            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            max_batched_tokens=max_batched_tokens, threads=threads, info=info, skipped=skipped,
@@ -91,6 +98,12 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bflo
     log(report(result))
     return result
 
+
+
+def _native_half_gemm() -> bool:
+    from worker.model import cpu_half_gemm_is_native
+
+    return cpu_half_gemm_is_native()
 
 
 def _run_dtype(model_dir: Path, dtype: str, wl: Workload, *, engines, repeats: int, hf_batch_size: int,
