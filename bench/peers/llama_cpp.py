@@ -50,7 +50,7 @@ def source_dir() -> Path | None:
 def unavailable_reason() -> str | None:
     if server_binary() is None:
         return ("llama-server is not built (optional peer; build it once with `python -m bench.peers.llama_cpp "
-                "build`, ~15-30 min of compiling on 2 cores)")
+                "build`, ~10 min of compiling on 2 cores)")
     if source_dir() is None or not (source_dir() / "convert_hf_to_gguf.py").exists():
         return "llama.cpp's convert_hf_to_gguf.py is missing (rebuild with `python -m bench.peers.llama_cpp build`)"
     return None
