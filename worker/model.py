@@ -278,7 +278,6 @@ class CausalLM:
         dtype: torch.dtype,
         device: torch.device,
         where: str = "checkpoint",
-        gemm_autotune: bool = True,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -321,7 +320,7 @@ class CausalLM:
         # CPU: each projection's layout and GEMM form are measured on this machine (kernels/cpu_gemm.py)
         def linear(w_oi: torch.Tensor | None, b: torch.Tensor | None) -> Linear:
             assert w_oi is not None  # take() raised for missing required weights
-            return cpu_gemm.plan(w_oi, b, autotune=gemm_autotune)
+            return cpu_gemm.plan(w_oi, b)
 
         self.embed = take("embed_tokens.weight")
         if self.embed.shape[0] < c.vocab_size:
@@ -373,7 +372,7 @@ class CausalLM:
         else:
             lm_head = lm_head.to(device=device, dtype=dtype)
         # a tied head shares the embedding table, which must stay [vocab, hidden]
-        self.lm_head = cpu_gemm.plan(lm_head, keep_layout=lm_head is self.embed, autotune=gemm_autotune)
+        self.lm_head = cpu_gemm.plan(lm_head, keep_layout=lm_head is self.embed)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
