@@ -17,25 +17,20 @@ polynomial exp, and the weighted V sum kept in registers. On the mixed benchmark
 path is ~2.7x faster than the scalar one (one layer, 64 sequences x ~400 positions: 9.9 -> 3.7 ms). AVX2 rather than AVX-512: it runs, and is
 tested, on every machine this project meets (the AMD EPYC CI machines have no AVX-512).
 
-The C source is compiled once per machine with the system C compiler (``cc -O3 -march=native -fopenmp``,
-about a second) into ``~/.cache/inferq/kernels/`` keyed by a hash of the source, flags and CPU flags, and
-loaded with ctypes (no torch headers, no build step at install time). If no compiler is available or the
-build fails, :func:`load` returns None and the torch backend keeps its pure-torch path.
+The C source is compiled once per machine by :mod:`kernels.native` (``cc -O3 -march=native``, cached, loaded
+with ctypes). If no compiler is available or the build fails, :func:`load` returns None and the torch
+backend keeps its pure-torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
+
+from kernels import native
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +361,6 @@ DEFINE_DISPATCH(f32, float)
 DEFINE_DISPATCH(bf16, uint16_t)
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 _ARGTYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # q, strides
     + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # caches, strides
@@ -381,49 +375,9 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _cache_dir() -> Path:
-    return Path.home() / ".cache" / "inferq" / "kernels"
-
-
 def _build() -> ctypes.CDLL | None:
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        log.info("no C compiler found: CPU decode attention uses the torch path")
-        return None
-    key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), cc, _cpu_flags()]).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    lib_path = out_dir / f"cpu_attention_{key}.so"
-    if not lib_path.exists():
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-                src = Path(tmp) / "cpu_attention.c"
-                src.write_text(_SOURCE)
-                tmp_lib = Path(tmp) / "cpu_attention.so"
-                proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp_lib), "-lm"],
-                                      capture_output=True, text=True, timeout=120)
-                if proc.returncode != 0:
-                    log.warning("building the CPU attention kernel failed (torch path used): %s",
-                                proc.stderr.strip()[-2000:])
-                    return None
-                os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("building the CPU attention kernel failed (torch path used): %s", exc)
-            return None
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as exc:
-        log.warning("loading the CPU attention kernel failed (torch path used): %s", exc)
+    lib = native.build("cpu_attention", _SOURCE)
+    if lib is None:
         return None
     for name in ("decode_f32", "decode_bf16"):
         fn = getattr(lib, name)
@@ -432,7 +386,7 @@ def _build() -> ctypes.CDLL | None:
     lib.has_simd.restype = ctypes.c_int
     lib.set_generic.argtypes = [ctypes.c_int]
     lib.set_generic.restype = None
-    log.debug("CPU attention kernel loaded from %s (AVX2 path: %s)", lib_path, bool(lib.has_simd()))
+    log.debug("CPU attention kernel loaded (AVX2 path: %s)", bool(lib.has_simd()))
     return lib
 
 

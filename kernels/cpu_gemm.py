@@ -14,6 +14,16 @@ so a fixed choice is wrong somewhere. :func:`plan` times the candidates once per
 M values standing for decode-sized, mid and prefill-sized batches, interleaved, best of several runs),
 keeps the weight in the winning layout (one copy, never two) and records the best form per M bucket.
 The result is cached per shape for the process. Off the CPU the plan is plain ``F.linear``.
+
+A third layout, "pk", is this project's own kernel (:mod:`kernels.packed_gemm`, AVX2 + FMA, float32): the
+weight packed once into 16-column panels, so no call repacks it. Measured on the same EPYC (2 threads,
+weight cold in cache), GFLOP/s, best BLAS form vs pk:
+
+    shape (K -> N)     M=8         M=16        M=64         M=1024
+    576 -> 3072       27 / 48     51 / 83     96 / 118     165 / 181
+    576 -> 49152      49 / 70     57 / 106    104 / 141    143 / 135
+
+Where it is available it is a candidate like the others, and wins on the model's shapes there.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import packed_gemm
 
 # M upper bounds of the buckets (decode-sized, mid, large, above: prefill-sized) and the M timed for each;
 # a probe over MAX_PROBE_FLOP (the tied LM head at prefill sizes, never run: logits are per sequence) takes
@@ -46,23 +58,37 @@ def _bucket(m: int) -> int:
 
 @dataclass
 class Linear:
-    """One projection. ``weight`` is ``[out, in]`` contiguous (layout "oi") or ``[in, out]`` contiguous
-    ("io"); ``forms[b]`` is "xw" (``x @ W^T``, one GEMM writing rows) or "wx" (``W @ x^T``, a GEMM writing
-    columns, then transposed back) for M bucket b."""
+    """One projection. ``weight`` is ``[out, in]`` contiguous (layout "oi"), ``[in, out]`` contiguous ("io"),
+    or packed ``[ceil(out/16), in, 16]`` ("pk", :mod:`kernels.packed_gemm`); ``forms[b]`` is "xw"
+    (``x @ W^T``, one GEMM writing rows), "wx" (``W @ x^T``, a GEMM writing columns, then transposed back)
+    or "pk" (the packed kernel; the only form of that layout) for M bucket b."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     layout: str = "oi"
     forms: tuple[str, ...] = ("xw",) * (len(BUCKET_LIMITS) + 1)
+    out_dim: int = 0  # set from the weight unless packed (the packed weight is zero-padded to whole panels)
+
+    def __post_init__(self) -> None:
+        if self.layout != "pk":
+            self.out_dim = int(self.weight.shape[0 if self.layout == "oi" else 1])
 
     @property
     def w_oi(self) -> torch.Tensor:
-        """The weight as an ``[out, in]`` tensor (a view when stored ``[in, out]``)."""
+        """The weight as an ``[out, in]`` tensor (a view unless packed, then a copy)."""
+        if self.layout == "pk":
+            return self.weight.transpose(1, 2).reshape(-1, self.weight.shape[1])[: self.out_dim]
         return self.weight if self.layout == "oi" else self.weight.t()
 
     @property
     def out_features(self) -> int:
-        return int(self.w_oi.shape[0])
+        return self.out_dim
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the ``[out, in]`` weight: the embedding lookup of a table tied to this head."""
+        if self.layout == "pk":
+            return self.weight[ids // packed_gemm.PANEL, :, ids % packed_gemm.PANEL]
+        return F.embedding(ids, self.w_oi)
 
     def _wx(self, x: torch.Tensor) -> torch.Tensor:
         """``(W @ x^T)^T``: a transposed view of an ``[out, M]`` result."""
@@ -73,18 +99,32 @@ class Linear:
     def __call__(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
         """``x W^T + b`` as an ``[M, out]`` tensor: contiguous, or with ``contiguous=False`` possibly a
         transposed view (for consumers that take any strides: elementwise ops, another :class:`Linear`)."""
-        if self.forms[_bucket(x.shape[0])] == "wx":
+        form = self.forms[_bucket(x.shape[0])]
+        if form == "pk":
+            return packed_gemm.matmul(x, self.weight, self.out_dim, self.bias)
+        if form == "wx":
             y = self._wx(x)
             return y.contiguous() if contiguous else y
         return F.linear(x, self.w_oi, self.bias)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x W^T + b`` in place (``out`` must be this forward's own tensor); returns ``out``."""
-        if self.forms[_bucket(x.shape[0])] == "wx":
+        form = self.forms[_bucket(x.shape[0])]
+        if form == "pk":
+            return packed_gemm.matmul(x, self.weight, self.out_dim, self.bias, out=out)
+        if form == "wx":
             return out.add_(self._wx(x))
         if self.bias is None:
             return out.addmm_(x, self.w_oi.t())
         return out.add_(F.linear(x, self.w_oi, self.bias))
+
+
+def _stored(weight_oi: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "oi":
+        return weight_oi
+    if layout == "io":
+        return weight_oi.t().contiguous()
+    return packed_gemm.pack(weight_oi)
 
 
 def _time(fn, x: torch.Tensor, scratch: torch.Tensor) -> float:
@@ -103,9 +143,9 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
     xs = [torch.randn(m, k, generator=gen).to(dt) for m in PROBE_M if 2 * m * n * k <= MAX_PROBE_FLOP]
     candidates = []
     for layout in layouts:
-        w = weight_oi if layout == "oi" else weight_oi.t().contiguous()
-        for form in ("xw", "wx"):
-            candidates.append((layout, form, Linear(w, None, layout, (form,) * len(PROBE_M))))
+        w = _stored(weight_oi, layout)
+        for form in ("pk",) if layout == "pk" else ("xw", "wx"):
+            candidates.append((layout, form, Linear(w, None, layout, (form,) * len(PROBE_M), n)))
     best = {(layout, form, i): float("inf") for layout, form, _ in candidates for i in range(len(xs))}
     scratch = torch.zeros(SCRATCH_BYTES // 4)
     with torch.inference_mode():
@@ -119,7 +159,8 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
     floor = [min(best[key] for key in best if key[2] == i) for i in range(len(xs))]
     chosen: tuple[float, str, tuple[str, ...]] | None = None
     for layout in layouts:
-        forms = tuple(min(("xw", "wx"), key=lambda f, i=i: best[layout, f, i]) for i in range(len(xs)))
+        own = ("pk",) if layout == "pk" else ("xw", "wx")
+        forms = tuple(min(own, key=lambda f, i=i: best[layout, f, i]) for i in range(len(xs)))
         forms += forms[-1:] * (len(PROBE_M) - len(forms))
         score = sum(best[layout, forms[i], i] / floor[i] for i in range(len(xs)))
         if chosen is None or score < chosen[0]:
@@ -128,15 +169,18 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
     return chosen[1], chosen[2]  # type: ignore[return-value]
 
 
-def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, keep_layout: bool = False,
+def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding: bool = False,
          autotune: bool = True) -> Linear:
     """A :class:`Linear` for ``weight_oi`` (``[out, in]``). On CPU with ``autotune``, the layout and the form
-    per M bucket are measured (once per shape and dtype in this process); ``keep_layout`` keeps ``[out, in]``
-    (a weight shared with the embedding table). Elsewhere: ``[out, in]`` and ``F.linear``."""
+    per M bucket are measured (once per shape and dtype in this process). ``embedding``: the weight is also
+    the embedding table (a tied LM head), read through :meth:`Linear.rows`, so only the layouts whose rows
+    gather cheaply ("oi", "pk") are candidates. Elsewhere: ``[out, in]`` and ``F.linear``."""
     weight_oi = weight_oi.contiguous()
     if weight_oi.device.type != "cpu" or not autotune:
         return Linear(weight_oi, bias)
-    layouts = ("oi",) if keep_layout else ("oi", "io")
+    layouts = ("oi",) if embedding else ("oi", "io")
+    if weight_oi.dtype == torch.float32 and packed_gemm.available():
+        layouts += ("pk",)
     key = (tuple(weight_oi.shape), weight_oi.dtype, layouts, torch.get_num_threads())
     with _lock:
         found = _plans.get(key)
@@ -144,8 +188,7 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, keep_layo
             found = _plans[key] = _measure(weight_oi, layouts)
     layout, forms = found
     # (2 MiB pages for the weights too were measured: no gain, unlike the KV cache)
-    weight = weight_oi if layout == "oi" else weight_oi.t().contiguous()
-    return Linear(weight, bias, layout, forms)
+    return Linear(_stored(weight_oi, layout), bias, layout, forms, int(weight_oi.shape[0]))
 
 
 def plans() -> dict[str, str]:

@@ -371,8 +371,13 @@ class CausalLM:
             lm_head = self.embed
         else:
             lm_head = lm_head.to(device=device, dtype=dtype)
-        # a tied head shares the embedding table, which must stay [vocab, hidden]
-        self.lm_head = cpu_gemm.plan(lm_head, keep_layout=lm_head is self.embed)
+        # a tied head is the embedding table too: the lookup then reads the head's rows (one copy, whatever
+        # layout the head runs fastest in)
+        tied = lm_head is self.embed
+        self.lm_head = cpu_gemm.plan(lm_head, embedding=tied)
+        self._embed_rows = self.lm_head.rows if tied else (lambda ids, table=self.embed: F.embedding(ids, table))
+        if tied:
+            del self.embed
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
@@ -471,7 +476,7 @@ class CausalLM:
         complex_rope = self._complex_rope
         if meta.scale is None:
             meta.scale = self.scale
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed_rows(input_ids)
         residual = x
         h = self._norm(x, self.layers[0].input_norm) if self.layers else x
         for i, layer in enumerate(self.layers):

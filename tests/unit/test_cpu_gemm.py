@@ -1,5 +1,5 @@
-"""kernels/cpu_gemm.py: every layout and form computes the same product as F.linear; the planner keeps one
-weight copy and honours keep_layout."""
+"""kernels/cpu_gemm.py and kernels/packed_gemm.py: every layout and form computes the same product as
+F.linear; the planner keeps one weight copy, and a tied head's rows are the embedding table's."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, packed_gemm
 from kernels.cpu_gemm import Linear
+
+needs_packed = pytest.mark.skipif(not packed_gemm.available(), reason="no AVX2+FMA CPU or no C compiler")
 
 
 @pytest.mark.parametrize("layout,form,bias,m", list(itertools.product(("oi", "io"), ("xw", "wx"), (False, True),
@@ -37,15 +39,61 @@ def test_bucket_bounds():
     assert [cpu_gemm._bucket(m) for m in (1, 16, 17, 128, 129, 512, 513, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
-def test_plan_keeps_one_copy_and_the_shared_layout():
+def test_plan_keeps_one_copy_and_tied_rows():
     w = torch.randn(64, 32)
-    tied = cpu_gemm.plan(w, keep_layout=True)
-    assert tied.layout == "oi" and tied.weight.data_ptr() == w.data_ptr()  # the embedding table itself
+    tied = cpu_gemm.plan(w, embedding=True)
+    assert tied.layout in ("oi", "pk")  # layouts whose rows gather cheaply
+    ids = torch.tensor([0, 5, 63, 17, 5])
+    torch.testing.assert_close(tied.rows(ids), w[ids], rtol=0, atol=0)
     free = cpu_gemm.plan(w)
-    assert free.layout in ("oi", "io") and len(free.forms) == len(cpu_gemm.PROBE_M)
-    assert set(free.forms) <= {"xw", "wx"}
+    assert free.layout in ("oi", "io", "pk") and len(free.forms) == len(cpu_gemm.PROBE_M)
+    assert set(free.forms) <= ({"pk"} if free.layout == "pk" else {"xw", "wx"})
     x = torch.randn(20, 32)
     torch.testing.assert_close(free(x), F.linear(x, w))
+    torch.testing.assert_close(free.rows(ids), w[ids], rtol=0, atol=0)
     assert "64x32 float32" in cpu_gemm.plans()
     plain = cpu_gemm.plan(w, autotune=False)
     assert plain.layout == "oi" and plain.forms == ("xw",) * 4
+    half = cpu_gemm.plan(w.bfloat16())
+    assert half.layout in ("oi", "io")  # the packed kernel is float32 only
+
+
+@needs_packed
+@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (1, 40, 37), (5, 33, 64), (6, 48, 1), (7, 960, 576), (8, 17, 3),
+                                   (13, 100, 29), (64, 576, 96), (131, 50, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_kernel_matches_f_linear(m, n, k, bias):
+    """Every row-tile size (1-6), N not a multiple of the 16-column panel, odd K, bias, and accumulation."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    packed = packed_gemm.pack(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    lin = Linear(packed, b, "pk", ("pk",) * 4, n)
+    expected = F.linear(x, w, b)
+    got = lin(x)
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    out = torch.randn(m, n, generator=g)
+    want = out + expected
+    assert lin.add_to(out, x) is out
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lin.w_oi, w, rtol=0, atol=0)
+    assert lin.out_features == n
+
+
+@needs_packed
+def test_packed_kernel_takes_strided_rows_and_a_strided_output():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 16, generator=g)
+    wide = torch.randn(9, 40, generator=g)
+    x = wide[:, 4:20]  # rows 40 apart, dense inside: what the SwiGLU's half of gate_up looks like
+    out_wide = torch.zeros(9, 30)
+    out = out_wide[:, 3:27]
+    packed_gemm.matmul(x, packed_gemm.pack(w), 24, out=out)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert out_wide[:, :3].abs().sum() == 0 and out_wide[:, 27:].abs().sum() == 0
+    col_major = torch.randn(16, 5, generator=g).t()  # stride(-1) != 1: copied first
+    torch.testing.assert_close(packed_gemm.matmul(col_major, packed_gemm.pack(w), 24), F.linear(col_major, w),
+                               rtol=1e-5, atol=1e-4)
