@@ -24,6 +24,7 @@ from api.auth import KeyCache
 from api.errors import first_line, install_handlers
 from api.events import StreamLimiter
 from api.health import RedisHealth
+from api.routes_jobs import SubmitBatcher
 from api.schemas import Health, Readiness
 from api.validation import NO_NUL_PATTERN
 from inferq.db import make_engine, make_sessionmaker
@@ -72,6 +73,7 @@ class AppState:
         # a few threads keep both the connections and the GIL hand-offs per request low
         self.submit_executor = ThreadPoolExecutor(max_workers=SUBMIT_THREADS,
                                                   thread_name_prefix="inferq-submit")
+        self.batcher = SubmitBatcher(self)
         self.dispatcher: Any = None
 
     def async_redis(self) -> aredis.Redis:

@@ -92,9 +92,16 @@ async def authenticate(request: Request, credentials: HTTPAuthorizationCredentia
     return principal
 
 
-async def require_key(request: Request,
-                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
-    return await authenticate(request, credentials)
+class _ApiKeyBearer(HTTPBearer):
+    """The bearer scheme that also authenticates: one dependency per request instead of two (FastAPI's
+    dependency solving is a measurable part of a submission's CPU), the same OpenAPI security scheme, and
+    still solved before the body is validated (so a request without a valid key is a 401, never a 422)."""
+
+    async def __call__(self, request: Request) -> Principal:  # type: ignore[override]
+        return await authenticate(request, await super().__call__(request))
+
+
+require_key = _ApiKeyBearer(auto_error=False, scheme_name=bearer.scheme_name, description=bearer.model.description)
 
 
 def require_admin(principal: Principal = Depends(require_key)) -> Principal:

@@ -79,35 +79,113 @@ async def create_job(
         alias="Idempotency-Key", pattern=r"^[\x21-\x7e]{1,200}$", description="Client-chosen key (1-200 printable ASCII characters): retries with "
         "the same key and body return the same job.", examples=["order-1234"])] = None,
 ) -> JSONResponse:
-    # Parsing, validation and the response stay on the event loop; everything that blocks (the webhook URL's
-    # DNS check, the Redis health probe, the database and the XADD) runs in one hop to the submit pool.
+    # Parsing, validation and the response stay on the event loop; everything that blocks (the Redis health
+    # probe, the database and the XADD) runs on the submit pool, for a group of submissions at a time.
     state = _state(request)
     if idempotency_key is not None and not _IDEMPOTENCY_KEY.match(idempotency_key):
         raise invalid("header.idempotency-key", "must be 1-200 printable ASCII characters without spaces")
-    view, created = await asyncio.get_running_loop().run_in_executor(
-        state.submit_executor, _submit, state, principal, body, idempotency_key)
+    if body.webhook_url is not None:
+        # the webhook URL's DNS check may be slow: on a hop of its own, so it never holds up a group
+        await asyncio.get_running_loop().run_in_executor(state.submit_executor, _check_webhook, state, body)
+    view, created = await state.batcher.submit(principal, body, idempotency_key)
     if created:
         SUBMITTED.labels(body.tier).inc()
     return JSONResponse(view, status_code=202 if created else 200, headers={"Location": f"/v1/jobs/{view['id']}"})
 
 
-def _submit(state: Any, principal: Principal, body: JobCreate, idempotency_key: str | None) -> tuple[dict[str, Any], bool]:
-    if body.webhook_url is not None:
-        errors = body_errors(body, state.settings.allowlist)
-        if errors:
-            REJECTED.labels(errors[0]["field"].split(".")[0]).inc()
-            raise ApiError(422, "validation_error", "; ".join(f"{e['field']}: {e['reason']}" for e in errors),
-                           fields=errors)
-    state.redis_health.check(state.redis)
+_Submission = tuple[Principal, JobCreate, "str | None"]
+
+
+class SubmitBatcher:
+    """Hands submissions to the submit pool in groups: at most ``max_in_flight`` groups run at once, and the
+    submissions that arrive meanwhile wait and go together in the next group (``jobs.submit_many``: one
+    statement, one commit and one Redis MULTI per tenant and group). Unloaded, a group is one submission and
+    waits for nothing; under load, one thread hop and one round trip serve many requests. Every submission
+    still gets its own answer, only after its row is committed."""
+
+    def __init__(self, state: Any, *, max_in_flight: int = 2, max_batch: int = 64) -> None:
+        self.state = state
+        self.max_in_flight = max_in_flight
+        self.max_batch = max_batch
+        self.in_flight = 0
+        self.pending: list[tuple[Principal, JobCreate, str | None, asyncio.Future[Any]]] = []
+        self.scheduled = False
+
+    async def submit(self, principal: Principal, body: JobCreate, key: str | None) -> tuple[dict[str, Any], bool]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self.pending.append((principal, body, key, fut))
+        if not self.scheduled and self.in_flight < self.max_in_flight:
+            # after this loop iteration: requests parsed in the same iteration join the group
+            self.scheduled = True
+            loop.call_soon(self._dispatch)
+        return await fut
+
+    def _dispatch(self) -> None:
+        self.scheduled = False
+        loop = asyncio.get_running_loop()
+        while self.pending and self.in_flight < self.max_in_flight:
+            group, self.pending = self.pending[:self.max_batch], self.pending[self.max_batch:]
+            items = [(p, b, k) for p, b, k, _ in group]
+            try:
+                done = loop.run_in_executor(self.state.submit_executor, _submit_group, self.state, items)
+            except RuntimeError as exc:  # the pool is shut down (the app is stopping): answer, never hang
+                for *_, fut in group:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            self.in_flight += 1
+            done.add_done_callback(lambda f, group=group: self._finished(f, group))
+
+    def _finished(self, done: asyncio.Future[Any], group: list[Any]) -> None:
+        self.in_flight -= 1
+        exc = done.exception()
+        results = [exc] * len(group) if exc is not None else done.result()
+        for (_, _, _, fut), result in zip(group, results, strict=True):
+            if fut.done():  # the client went away
+                continue
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+        self._dispatch()
+
+
+def _submit_group(state: Any, items: list[_Submission]) -> list[tuple[dict[str, Any], bool] | Exception]:
+    """Runs on the submit pool: each submission's answer (view, created), or the exception to raise for it."""
     try:
-        job, created = jobs.submit(state.session_factory, state.redis, state.settings, principal.tenant, body,
-                                   idempotency_key)
-    except jobs.Conflict as exc:
+        state.redis_health.check(state.redis)
+    except Exception as exc:  # noqa: BLE001 - every submission of the group gets the 503
+        return [exc] * len(items)
+    results = jobs.submit_many(state.session_factory, state.redis, state.settings,
+                               [(principal.tenant, body, key) for principal, body, key in items])
+    out: list[Any] = []
+    for result in results:
+        try:
+            out.append(_answer(state, result))
+        except Exception as exc:  # noqa: BLE001 - handed to the request it belongs to
+            out.append(exc)
+    return out
+
+
+def _check_webhook(state: Any, body: JobCreate) -> None:
+    errors = body_errors(body, state.settings.allowlist)
+    if errors:
+        REJECTED.labels(errors[0]["field"].split(".")[0]).inc()
+        raise ApiError(422, "validation_error", "; ".join(f"{e['field']}: {e['reason']}" for e in errors),
+                       fields=errors)
+
+
+def _answer(state: Any, result: tuple[Any, bool] | Exception) -> tuple[dict[str, Any], bool]:
+    if isinstance(result, jobs.Conflict):
         REJECTED.labels("conflict").inc()
-        raise ApiError(409, "conflict", str(exc)) from None
-    except jobs.QuotaExceeded as exc:
-        REJECTED.labels(exc.limit or "quota").inc()
-        raise too_many(str(exc), exc.retry_after) from None
+        raise ApiError(409, "conflict", str(result)) from None
+    if isinstance(result, jobs.QuotaExceeded):
+        REJECTED.labels(result.limit or "quota").inc()
+        raise too_many(str(result), result.retry_after) from None
+    if isinstance(result, Exception):
+        raise result
+    job, created = result
     if created:
         return job_view(job), True
     with state.session_factory() as s:

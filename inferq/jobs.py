@@ -641,6 +641,232 @@ def _submit_postgres(engine: Any, session_factory: sessionmaker, settings: Setti
     return _idempotent(job, fingerprint)
 
 
+# ---- PostgreSQL: several submissions of one tenant in one statement -----------------------------------------
+#
+# The API groups the submissions that arrive while earlier ones are in flight (api/routes_jobs.SubmitBatcher).
+# A tenant's jobs without an idempotency key are then admitted by one statement under the tenant lock: the
+# checks of ``_PG_ADMIT`` applied to each job in order, as if they were submitted one after another (job k
+# also counts jobs 1..k-1 of the batch), and only a prefix of the batch is admitted. Whatever is not admitted
+# (or has an idempotency key, or finds no quota bound) goes through ``submit`` one by one, which recounts
+# exactly when in doubt: a 429 still only comes from an exact count. One plan, one commit and one Redis MULTI
+# per batch instead of per job is what makes it cheaper, for the API process and for PostgreSQL.
+
+_PG_ADMIT_MANY = f"""
+WITH d AS (
+    SELECT count(*) AS n, coalesce(sum({_PG_ESTIMATE}), 0) AS tokens
+    FROM jobs WHERE tenant_id = %(tenant)s AND created_at > %(mark)s
+), l AS (
+    SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) AS tokens
+    FROM usage_ledger WHERE tenant_id = %(tenant)s AND created_at > %(ledger_from)s
+), now AS (
+    SELECT clock_timestamp() AS t
+), b AS (  -- the jobs, in order (k = 1, 2, ...): one JSON document, json columns keep their exact text
+    SELECT * FROM json_to_recordset(CAST(%(batch)s AS json))
+        AS b(k integer, id text, model text, tier text, priority integer, request json, hash text, webhook text,
+             meta json, deadline double precision, need double precision, add double precision, tier_before integer)
+), c AS (
+    SELECT b.*,
+           (SELECT p.id FROM prices p WHERE p.model = b.model AND p.tier = b.tier
+                                        AND p.effective_from <= clock_timestamp()
+            ORDER BY p.version DESC LIMIT 1) AS price_id,
+           coalesce(sum(b.add) OVER (ORDER BY b.k ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+    FROM b
+), o AS (
+    SELECT c.*, bool_and(
+               c.price_id IS NOT NULL
+               AND %(queued)s + d.n + c.k <= %(max_queued)s
+               AND c.tier_before + d.n + 1 <= %(tier_cap)s
+               AND (CAST(%(tokens)s AS double precision) + CAST(d.tokens AS double precision) + l.tokens
+                    + c.before <= 0
+                    OR CAST(%(tokens)s AS double precision) + CAST(d.tokens AS double precision) + l.tokens
+                       + c.before + c.need <= %(limit)s)) OVER (ORDER BY c.k) AS ok
+    FROM c, d, l
+), ins AS (
+    INSERT INTO jobs (id, tenant_id, model, tier, priority, request, status, idempotency_key, request_hash,
+                      webhook_url, metadata, attempts, cancel_requested, price_id, created_at, queued_at, deadline_at)
+    SELECT o.id, %(tenant)s, o.model, o.tier, o.priority, o.request, 'queued', NULL, o.hash,
+           o.webhook, o.meta, 0, false, o.price_id, now.t, now.t,
+           now.t + make_interval(secs => o.deadline)
+    FROM o, now WHERE o.ok
+    RETURNING id, created_at, deadline_at, price_id
+)
+SELECT d.n, CAST(d.tokens AS double precision), ins.id, ins.created_at, ins.deadline_at, ins.price_id
+FROM d LEFT JOIN ins ON true
+"""
+
+
+@dataclass
+class _Pending:
+    """One submission of a batch: what ``submit`` computes before touching the database."""
+
+    body: JobCreate
+    model: str
+    fingerprint: str
+    request: dict[str, Any]
+    request_json: str
+    job_id: str
+
+
+def submit_many(session_factory: sessionmaker, redis: Any, settings: Settings,
+                items: Sequence[tuple[Tenant, JobCreate, str | None]]) -> list[tuple[Job, bool] | Exception]:
+    """``submit`` for several submissions at once, with the same outcome for each as submitting them one after
+    another (a result, or the exception ``submit`` would raise). On PostgreSQL each tenant's jobs without an
+    idempotency key are admitted together (``_PG_ADMIT_MANY``) and enqueued in one MULTI; everything else (and
+    every other database) goes through ``submit``."""
+    results: list[tuple[Job, bool] | Exception | None] = [None] * len(items)
+    engine = session_factory.kw.get("bind")
+    if len(items) > 1 and engine is not None and engine.dialect.name == "postgresql":
+        groups: dict[str, list[int]] = {}
+        for i, (tenant, _, key) in enumerate(items):
+            if not key:
+                groups.setdefault(tenant.id, []).append(i)
+        created: list[tuple[Job, str]] = []
+        for idx in groups.values():
+            tenant = items[idx[0]][0]
+            if len(idx) > 2 and not _has_bound(engine, tenant.id):
+                # the first job recounts exactly (and leaves a fresh bound); the rest can then go together
+                try:
+                    results[idx[0]] = submit(session_factory, redis, settings, tenant, items[idx[0]][1], None)
+                except Exception as exc:  # noqa: BLE001 - handed back as this submission's answer
+                    results[idx[0]] = exc
+                idx = idx[1:]
+            if len(idx) < 2:
+                continue
+            try:
+                admitted = _admit_many_postgres(engine, settings, tenant, [items[i][1] for i in idx])
+            except sa_exc.OperationalError as exc:
+                # unreachable, or the commit's outcome unknown: each job gets the error (as ``submit`` would
+                # answer it), never a second try that could store it twice
+                for i in idx:
+                    results[i] = exc
+                continue
+            except sa_exc.DBAPIError as exc:  # the statement failed and was rolled back: each job on its own below
+                log.warning("batch admission failed; submitting one by one", tenant=tenant.id, error=str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - not known to be rolled back: never tried twice
+                for i in idx:
+                    results[i] = exc
+                continue
+            for i, job in zip(idx, admitted, strict=False):
+                results[i] = (job, True)
+                created.append((job, tenant.cache_namespace))
+        if created:
+            try:
+                enqueue_many(redis, settings, created)
+            except Exception as exc:  # the rows are committed: the reconciler will enqueue them
+                log.warning("enqueue failed after commit; left for the reconciler", jobs=len(created), error=str(exc))
+            # one line per group (a line per job cost ~30 us of the submission's CPU)
+            log.info("jobs accepted", job_ids=[job.id for job, _ in created], count=len(created))
+    for i, (tenant, body, key) in enumerate(items):
+        if results[i] is None:
+            try:
+                results[i] = submit(session_factory, redis, settings, tenant, body, key)
+            except Exception as exc:  # noqa: BLE001 - handed back as this submission's answer
+                results[i] = exc
+    return results  # type: ignore[return-value]
+
+
+def _has_bound(engine: Any, tenant_id: str) -> bool:
+    bound = _admission_for(engine)[0].tenants.get(tenant_id)
+    return bound is not None and bound.expires > time.monotonic()
+
+
+def _admit_many_postgres(engine: Any, settings: Settings, tenant: Tenant, bodies: list[JobCreate]) -> list[Job]:
+    """Admit a prefix of ``bodies`` (one tenant, no idempotency keys) in one statement; returns the admitted
+    jobs in order (possibly none). Needs a current quota bound: without one nothing is admitted here."""
+    adm, connections = _admission_for(engine)
+    bound = adm.tenants.get(tenant.id)
+    if bound is None or bound.expires <= time.monotonic():
+        return []
+    max_queued, limit = _limits(settings, tenant)
+    pending = []
+    for body in bodies:
+        request = body.request_params()
+        pending.append(_Pending(body, model_id(body.model or settings.model), body.fingerprint(), request,
+                                json.dumps(request), new_id()))
+    reserved: list[tuple[str, int]] = []
+    for p in pending:
+        before = adm.reserve_tier(p.body.tier)
+        if before is None:
+            for tier, _ in reserved:
+                adm.adjust_tier(tier, -1)
+            return []
+        reserved.append((p.body.tier, before))
+    needs = [float(estimate_tokens(p.request)) for p in pending]
+    adds = [max(len(p.request_json) / 4.0 + p.body.max_tokens, need) for p, need in zip(pending, needs, strict=True)]
+    params: dict[str, Any] = {
+        "lock": _tenant_lock_key(tenant.id), "tenant": tenant.id, "mark": bound.mark, "queued": bound.queued,
+        "tokens": bound.tokens, "ledger_from": bound.ledger_from, "max_queued": max_queued,
+        "tier_cap": settings.tier_queue_cap, "limit": limit,
+        # one JSON document, not twelve arrays: bound client-side in C (json.dumps), where arrays of strings
+        # cost a regex substitution per quote; "request" is embedded exactly as json.dumps(request) writes it
+        "batch": json.dumps([
+            {"k": k, "id": p.job_id, "model": p.model, "tier": p.body.tier, "priority": p.body.priority,
+             "request": p.request, "hash": p.fingerprint, "webhook": p.body.webhook_url, "meta": p.body.metadata,
+             "deadline": float(p.body.deadline_seconds) if p.body.deadline_seconds else None, "need": need,
+             "add": add, "tier_before": before}
+            for k, (p, need, add, (_, before)) in enumerate(zip(pending, needs, adds, reserved, strict=True), 1)]),
+    }
+    import psycopg
+
+    try:
+        conn = connections.get()
+    except BaseException:
+        for tier, _ in reserved:
+            adm.adjust_tier(tier, -1)
+        raise
+    try:
+        # One simple-protocol message, lock then insert: PostgreSQL runs it as one implicit transaction and
+        # commits it before answering (the lock is held to the commit). Measured ~2.5x less client CPU than
+        # the same round trip in pipeline mode; the parameters are bound client-side (ClientCursor).
+        conn.autocommit = True
+        cur = psycopg.ClientCursor(conn)
+        cur.execute(_PG_LOCK + ";\n" + _PG_ADMIT_MANY, params)
+        cur.nextset()
+        rows = cur.fetchall()
+    except BaseException as exc:
+        for tier, _ in reserved:
+            adm.adjust_tier(tier, -1)
+        _rollback_quietly(conn)
+        if isinstance(exc, psycopg.Error):
+            raise sa_exc.DBAPIError.instance(None, None, exc, psycopg.Error) from exc
+        raise
+    finally:
+        try:
+            conn.autocommit = False
+        except Exception:  # noqa: BLE001 - a broken connection: put() discards it
+            pass
+        connections.put(conn)
+    seen, seen_tokens = int(rows[0][0]), float(rows[0][1])
+    inserted = {r[2]: r for r in rows if r[2] is not None}
+    jobs_out: list[Job] = []
+    for p in pending:
+        row = inserted.get(p.job_id)
+        if row is None:
+            break  # only a prefix is admitted
+        created = _utc(row[3])
+        jobs_out.append(_job(id=p.job_id, tenant_id=tenant.id, model=p.model, tier=p.body.tier,
+                             priority=p.body.priority, request=p.request, status="queued", idempotency_key=None,
+                             request_hash=p.fingerprint, webhook_url=p.body.webhook_url, meta=p.body.metadata,
+                             attempts=0, worker=None, cancel_requested=False, price_id=row[5], created_at=created,
+                             queued_at=created, started_at=None, first_token_at=None, finished_at=None,
+                             deadline_at=_utc(row[4]), heartbeat_at=None, error=None))
+    n = len(jobs_out)
+    for tier, _ in reserved[n:]:  # not admitted: give the reservations back
+        adm.adjust_tier(tier, -1)
+    if seen:
+        for tier in {tier for tier, _ in reserved}:  # rows of other processes: counted in each tier (errs high)
+            adm.adjust_tier(tier, seen)
+    if n:
+        adm.put(tenant.id, _TenantBound(mark=inserted[jobs_out[0].id][3], queued=bound.queued + seen + n,
+                                        tokens=bound.tokens + seen_tokens + sum(adds[:n]),
+                                        ledger_from=bound.ledger_from,
+                                        expires=bound.expires if n == len(pending) else 0.0))
+    else:  # the bound did not prove the first job fits: the next submission recounts exactly
+        adm.put(tenant.id, _TenantBound(bound.mark, bound.queued, bound.tokens, bound.ledger_from, 0.0))
+    return jobs_out
+
+
 def _job(**values: Any) -> Job:
     """A detached ``Job`` holding exactly the row just committed (no attribute events: ~3 µs, not ~40)."""
     job = _JOB_MANAGER.new_instance()
@@ -669,6 +895,17 @@ def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> s
     msg_id, _ = pipe.execute()
     return msg_id.decode() if isinstance(msg_id, bytes) else msg_id
 
+
+def enqueue_many(redis: Any, settings: Settings, jobs_ns: Sequence[tuple[Job, str]]) -> None:
+    """``enqueue`` for several jobs in one MULTI (one round trip)."""
+    pipe = redis.pipeline(transaction=True)
+    enq = enqueued_key(settings.stream_prefix)
+    for job, ns in jobs_ns:
+        payload = encode_message(job.id, job.tenant_id, ns, job.model, job.tier, job.priority or 0, job.request,
+                                 _unix(job.deadline_at), _unix(job.queued_at) or time.time())
+        pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
+    pipe.sadd(enq, *[job.id for job, _ in jobs_ns])
+    pipe.execute()
 
 # --------------------------------------------------------------------------------------------------------
 # transitions

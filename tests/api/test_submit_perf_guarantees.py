@@ -242,6 +242,74 @@ def test_returned_job_is_the_committed_row(db, engines, settings, redis_client, 
         assert 29.9 < (row.deadline_at - row.created_at).total_seconds() <= 30
 
 
+# --- several submissions at once (the API's groups: jobs.submit_many) -----------------------------------------
+
+
+def test_group_admits_exactly_up_to_the_queued_quota(db, engines, settings, redis_client, make_tenant):
+    tenant = _tenant(db, make_tenant, max_queued_jobs=5)
+    a = engines()
+    jobs.submit(a, redis_client, settings, tenant, JobCreate(**BODY))  # a fresh bound: the group goes together
+    outcomes = jobs.submit_many(a, redis_client, settings, [(tenant, JobCreate(**BODY), None)] * 8)
+    accepted = [o for o in outcomes if isinstance(o, tuple)]
+    assert [isinstance(o, tuple) for o in outcomes] == [True] * 4 + [False] * 4, outcomes
+    assert all(isinstance(o, jobs.QuotaExceeded) and o.limit == "queued_jobs" for o in outcomes[4:])
+    with db() as s:  # one statement: the group's rows share their timestamp
+        assert len({s.get(Job, j.id).created_at for j, _ in accepted}) == 1
+    assert _queued(db, tenant.id) == 5
+    assert len(_stream_ids(redis_client, settings)) == 5
+
+
+def test_groups_across_threads_and_processes_keep_the_quota(db, engines, settings, redis_client, make_tenant):
+    tenant = _tenant(db, make_tenant, max_queued_jobs=9)
+    factories = [engines() for _ in range(2)]
+    for f in factories:
+        jobs.submit(f, redis_client, settings, tenant, JobCreate(**BODY))
+    outcomes = [o for group in _race(6, lambda i: jobs.submit_many(
+        factories[i % 2], redis_client, settings, [(tenant, JobCreate(**BODY), None)] * 3)) for o in group]
+    accepted = [o for o in outcomes if isinstance(o, tuple)]
+    assert len(accepted) == 7, outcomes
+    assert all(isinstance(o, jobs.QuotaExceeded) for o in outcomes if not isinstance(o, tuple))
+    assert _queued(db, tenant.id) == 9
+
+
+def test_group_token_rate_limit_equals_sequential(db, engines, settings, redis_client, make_tenant):
+    body = {**BODY, "max_tokens": 100}
+    sequential = _tenant(db, make_tenant, tokens_per_minute=1000)
+    n_seq = 0
+    while not isinstance(jobs.submit_many(db, redis_client, settings, [(sequential, JobCreate(**body), None)])[0],
+                         Exception):
+        n_seq += 1
+        assert n_seq < 100
+    grouped = _tenant(db, make_tenant, tokens_per_minute=1000)
+    a = engines()
+    outcomes = jobs.submit_many(a, redis_client, settings, [(grouped, JobCreate(**body), None)] * 12)
+    assert sum(isinstance(o, tuple) for o in outcomes) == n_seq, outcomes
+    assert all(o.limit == "tokens_per_minute" for o in outcomes if not isinstance(o, tuple))
+
+
+def test_group_mixes_tenants_keys_and_errors(db, engines, settings, redis_client, make_tenant):
+    one, two = _tenant(db, make_tenant), _tenant(db, make_tenant, max_queued_jobs=1)
+    a = engines()
+    first, _ = jobs.submit(a, redis_client, settings, one, JobCreate(**BODY), idempotency_key="k")
+    items = [(one, JobCreate(**BODY), None), (two, JobCreate(**BODY), None), (one, JobCreate(**BODY), "k"),
+             (one, JobCreate(**{**BODY, "seed": 3}), "k"), (two, JobCreate(**BODY), None),
+             (one, JobCreate(**{**BODY, "deadline_seconds": 30, "priority": 5, "metadata": {"x": [1]},
+                                "webhook_url": "http://127.0.0.1:9/hook"}), None)]
+    out = jobs.submit_many(a, redis_client, settings, items)
+    assert isinstance(out[0], tuple) and out[0][1] and out[0][0].tenant_id == one.id
+    assert isinstance(out[1], tuple) and out[1][1] and out[1][0].tenant_id == two.id
+    assert out[2][0].id == first.id and out[2][1] is False  # idempotent retry
+    assert isinstance(out[3], jobs.Conflict)
+    assert isinstance(out[4], jobs.QuotaExceeded)  # the second tenant's quota is its own
+    job = out[5][0]
+    with db() as s:  # the returned job is the committed row
+        row = s.get(Job, job.id)
+        for attr in ("tenant_id", "model", "tier", "priority", "request", "idempotency_key", "request_hash",
+                     "webhook_url", "meta", "price_id", "created_at", "queued_at", "deadline_at"):
+            assert getattr(row, attr) == getattr(job, attr), attr
+    assert sorted(_stream_ids(redis_client, settings)) == sorted([first.id, out[0][0].id, out[1][0].id, job.id])
+
+
 # --- over HTTP -------------------------------------------------------------------------------------------
 
 
@@ -274,6 +342,34 @@ def test_http_concurrent_idempotent_retries(serve, settings, redis_client, make_
     assert len({r.json()["id"] for r in answers}) == 1
     conflict = _post_all(url, 4, {**t.headers, "Idempotency-Key": "order-7"}, {**BODY, "max_tokens": 9})
     assert [r.status_code for r in conflict] == [409] * 4
+
+
+def test_http_concurrent_mixed_submissions_each_get_their_own_answer(serve, settings, redis_client, make_tenant, db):
+    """Concurrent requests are submitted in groups: a refused webhook, idempotent retries and plain jobs in the
+    same burst each get the answer they would get alone."""
+    t = make_tenant()
+    url = serve(settings)
+
+    def one(i: int) -> tuple[int, httpx.Response]:
+        headers, body = dict(t.headers), dict(BODY)
+        if i % 4 == 0:
+            body["webhook_url"] = "http://10.0.0.1/hook"  # private: refused (422)
+        elif i % 4 == 1:
+            headers["Idempotency-Key"] = "mixed"
+        with httpx.Client(base_url=url, timeout=30) as c:
+            return i, c.post("/v1/jobs", json=body, headers=headers)
+
+    answers = _race(24, one)
+    by_kind: dict[int, list[httpx.Response]] = {0: [], 1: [], 2: []}
+    for i, r in answers:
+        by_kind[min(i % 4, 2)].append(r)
+    assert all(r.status_code == 422 and r.json()["error"]["fields"][0]["field"] == "webhook_url" for r in by_kind[0])
+    assert sorted(r.status_code for r in by_kind[1]) == [200] * 5 + [202]
+    assert len({r.json()["id"] for r in by_kind[1]}) == 1
+    assert all(r.status_code == 202 for r in by_kind[2])
+    with db() as s:
+        stored = set(s.scalars(select(Job.id).where(Job.tenant_id == t.tenant_id)))
+    assert stored == {r.json()["id"] for r in by_kind[1] + by_kind[2]}
 
 
 @pytest.mark.parametrize(("patch", "field"), [
