@@ -17,9 +17,10 @@ from pathlib import Path
 from bench import common
 from bench.workloads import Workload, mixed
 
-ENGINES = ("inferq", "inferq-static", "inferq-static16", "hf-static", "hf-cb", "vllm-cpu", "llama-cpp")
+ENGINES = ("inferq", "inferq-kv-bf16", "inferq-static", "inferq-static16", "hf-static", "hf-cb", "vllm-cpu",
+           "llama-cpp")
 DEFAULT_ENGINES = ("inferq", "inferq-static", "inferq-static16", "hf-static", "hf-cb", "vllm-cpu", "llama-cpp")
-LABELS = {"inferq": "inferq continuous", "inferq-static": "inferq --policy static",
+LABELS = {"inferq": "inferq continuous", "inferq-kv-bf16": "inferq continuous, bfloat16 KV cache", "inferq-static": "inferq --policy static",
           "inferq-static16": "inferq --policy static, cohorts of 16",
           "hf-static": "HF generate (static x16)", "hf-cb": "HF continuous batching",
           "vllm-cpu": "vLLM-CPU", "llama-cpp": "llama.cpp server"}
@@ -124,6 +125,12 @@ def _run_dtype(model_dir: Path, dtype: str, wl: Workload, *, engines, repeats: i
             subjects["inferq-static"] = lambda: inferq.run(wl, policy="static")
         if "inferq-static16" in engines:  # static cohorts the size of the HF baseline's batches
             subjects["inferq-static16"] = lambda: inferq.run(wl, policy="static", max_num_seqs=hf_batch_size)
+    if "inferq-kv-bf16" in engines and dtype == "float32":  # float32 model, bfloat16 KV cache (opt-in)
+        from bench.engines import InferqOffline
+
+        half_kv = InferqOffline(model_dir, dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                                max_batched_tokens=max_batched_tokens, threads=threads, kv_cache_dtype="bfloat16")
+        subjects["inferq-kv-bf16"] = lambda: half_kv.run(wl, policy="continuous")
     if {"hf-static", "hf-cb"} & set(engines):
         from bench.peers import hf
 

@@ -222,10 +222,11 @@ class TorchBackend:
     def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if slot_mapping is not self._slots:  # a new step: one check for negative (padding) slots
             self._slots = slot_mapping if not bool((slot_mapping < 0).any()) else None
-        if (self._slots is None or slot_mapping.dtype != torch.long or key.dtype != k_cache.dtype
-                or key.device != k_cache.device):
+        if self._slots is None or slot_mapping.dtype != torch.long or key.device != k_cache.device:
             reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
             return
+        if key.dtype != k_cache.dtype:  # a narrower cache than the model (kv_cache_dtype): round on the way in
+            key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
         num_blocks, block_size, hkv, d = k_cache.shape
         k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, key)
         v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, value)

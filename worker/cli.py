@@ -39,6 +39,8 @@ def generate(
     block_size: int | None = typer.Option(None, "--block-size", help="Tokens per KV-cache block."),
     kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="KV-cache pool size, e.g. 2GiB."),
     dtype: str | None = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
+                                              help="auto (the model's dtype), float32, bfloat16 or float16."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable prefix caching."),
     stats: Path | None = typer.Option(None, "--stats", help="Write engine statistics (JSON) here."),
 ) -> None:
@@ -49,7 +51,7 @@ def generate(
 
     overrides: dict[str, Any] = {k: v for k, v in dict(
         model=model, policy=policy, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-        block_size=block_size, kv_cache_memory=kv_cache_memory, dtype=dtype).items() if v is not None}
+        block_size=block_size, kv_cache_memory=kv_cache_memory, dtype=dtype, kv_cache_dtype=kv_cache_dtype).items() if v is not None}
     if no_prefix_cache:
         overrides["enable_prefix_cache"] = False
     settings = load_settings(**overrides)

@@ -431,23 +431,27 @@ class CausalLM:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
+                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One K and one V pool per layer, ``[num_blocks, block_size, Hkv, D]`` of ``dtype`` (default: the
+        model's; attention computes in the model's dtype whatever the cache holds)."""
         c = self.config
+        dtype = dtype or self.dtype
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         if self.device.type == "cpu":  # 2 MiB pages: fewer TLB misses for scattered block reads
-            return [(hugepages.zeros(shape, self.dtype), hugepages.zeros(shape, self.dtype))
+            return [(hugepages.zeros(shape, dtype), hugepages.zeros(shape, dtype))
                     for _ in range(c.num_layers)]
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
             )
             for _ in range(c.num_layers)
         ]
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
         c = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
 
     # -- forward ---------------------------------------------------------------------------------------

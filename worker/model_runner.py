@@ -35,6 +35,7 @@ class ModelRunner:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
         kv_cache_bytes: int,
+        kv_cache_dtype: str | torch.dtype = "auto",
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_batched_tokens: int = 2048,
@@ -59,14 +60,17 @@ class ModelRunner:
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
         self.max_batched_tokens = int(max_batched_tokens)
-        per_block = self.model.kv_bytes_per_block(self.block_size)
+        self.kv_dtype = self.dtype if kv_cache_dtype in ("auto", None) else resolve_dtype(kv_cache_dtype, self.device)
+        if self.kv_dtype != self.dtype and self.device.type != "cpu":
+            raise ValueError("a KV-cache dtype other than the model's is supported on CPU only")
+        per_block = self.model.kv_bytes_per_block(self.block_size, self.kv_dtype)
         self.num_blocks = int(kv_cache_bytes) // per_block
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv cache budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes: "
                 f"block_size {self.block_size} x {config.num_layers} layers x K/V)"
             )
-        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size)
+        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
         if isinstance(attention_backend, str) or attention_backend is None:
             self.backend = get_backend(self.device, attention_backend)
         else:

@@ -216,6 +216,43 @@ def test_bfloat16_runner_close_to_float32(tiny_dirs):
     torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.15, rtol=0.05)
 
 
+def test_bfloat16_kv_cache_with_float32_model(tiny_dirs):
+    """kv_cache_dtype=bfloat16 under a float32 model: twice the blocks for the same budget, bfloat16 pools, and
+    logits within bfloat16 rounding of the float32 cache's, through a chunked prefill (earlier context read
+    back from the cache) and decode steps (the CPU decode kernel's bfloat16 path)."""
+    path = tiny_dirs["qwen2"]
+    full = make_runner(path)
+    half = make_runner(path, kv_cache_dtype="bfloat16")
+    assert half.num_blocks == 2 * full.num_blocks
+    assert half.kv_caches[0][0].dtype == torch.bfloat16 and full.kv_caches[0][0].dtype == torch.float32
+    assert half.model.dtype == torch.float32
+    prompt = prompts_for(half.info.vocab_size, [13], seed=7)[0]
+    got: dict[str, list[torch.Tensor]] = {}
+    for name, runner in (("full", full), ("half", half)):
+        r = Request("x", prompt, SamplingParams(temperature=0))
+        BlockPool(runner.num_blocks, seed=2).give(r, len(prompt) + 5)
+        out = []
+        for n in (8, 5, 1, 1, 1, 1):  # a prefill in two chunks (the first samples nothing), then decodes
+            lg = runner.compute_logits([(r, n)])[0]
+            if lg is not None:
+                out.append(lg)
+            advance(r, n, int(lg.argmax()) if lg is not None else None)
+        got[name] = out
+    assert len(got["full"]) == 5
+    for step, (a, b) in enumerate(zip(got["full"], got["half"], strict=True)):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, atol=0.05, rtol=0.05, msg=f"step {step}")
+    assert not torch.equal(got["full"][-1], got["half"][-1])  # the cache really rounds
+
+
+def test_kv_cache_dtype_other_than_the_model_is_cpu_only(tiny_dirs, monkeypatch):
+    from worker import model_runner
+
+    monkeypatch.setattr(model_runner, "resolve_device", lambda device: torch.device("meta"))
+    with pytest.raises(ValueError, match="CPU only"):
+        make_runner(tiny_dirs["llama"], kv_cache_dtype="bfloat16", dtype="float32")
+
+
 def _sample_run(runner, pool_seed, companions, params, steps=6):
     """Generate ``steps`` tokens for a seeded request, sharing each step with ``companions`` other requests."""
     pool = BlockPool(runner.num_blocks, seed=pool_seed)
