@@ -1,4 +1,10 @@
-"""A small C kernel for batched decode attention straight from the paged KV cache (CPU).
+"""Small C kernels for attention straight from the paged KV cache (CPU): batched decode, and causal prefill.
+
+Prefill (AVX2 path, float32 queries): every prefill chunk of a step in one call, its keys and values read
+from the cache (already written, so a chunk with earlier context needs no gather), work items of one kv head
+x 8 query rows, an online softmax over key chunks of 8, and the weighted V sum register-blocked so each V
+load feeds three query vectors. Against per-sequence SDPA on the mixed workload's shapes: 1.06-1.19x on
+long chunks (300-512 rows), 2.3x on eight 64-row chunks; the workload's prefill steps 46.4 -> 42.8 s.
 
 Why: on CPU, decode attention is memory bound. The torch path must first gather every decode sequence's
 blocks into a padded ``[S, L, Hkv, D]`` copy (read + write of all the context, padded to the longest
@@ -336,7 +342,167 @@ int NAME(const float* q, int64_t q_ss, int64_t q_hs, const T* kc, const T* vc, i
 static int fast_path(int D, int bs) { return D % 8 == 0 && D / 8 <= MAX_ND && bs > 0 && (bs & (bs - 1)) == 0; }
 DEFINE_DECODE(simd_f32, float, ld_f32)
 DEFINE_DECODE(simd_bf16, uint16_t, ld_bf16)
+/* Causal prefill attention from the paged cache: each sequence's chunk of Lq queries (positions ctx ..
+   ctx+Lq-1, their keys/values already written to the cache) against its keys 0 .. ctx+Lq-1. A work item is
+   one kv head x QB query rows (QB*G query vectors): keys are walked in chunks of 8 up to the block's last
+   position, scores by 8 FMA chains per query vector, an online softmax (running max and sum, the
+   accumulator rescaled when the max grows), and the weighted V sum register-blocked 3 query vectors x 4
+   vectors of D at a time, so each V load feeds 3 FMAs. */
+#define QB 8
+#define MAX_NQ (QB * MAX_GROUP)
+#define DEFINE_PREFILL(NAME, T, LD)                                                                           \
+static inline __attribute__((always_inline)) void NAME##_pv(const int NJ, const int CW, const T* v0,          \
+        const int64_t* roff, const float* w, float* a, int D) {                                               \
+    __m256 r[3][4];                                                                                           \
+    _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++)                                                      \
+        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) r[j][c] = _mm256_loadu_ps(a + (int64_t)j * D + 8 * c);\
+    for (int t = 0; t < 8; t++) {                                                                             \
+        const T* v = v0 + roff[t];                                                                            \
+        __m256 wt[3];                                                                                         \
+        _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++) wt[j] = _mm256_set1_ps(w[j * 8 + t]);            \
+        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) {                                                \
+            const __m256 x = LD(v + 8 * c);                                                                   \
+            _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++) r[j][c] = _mm256_fmadd_ps(wt[j], x, r[j][c]);\
+        }                                                                                                     \
+    }                                                                                                         \
+    _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++)                                                      \
+        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) _mm256_storeu_ps(a + (int64_t)j * D + 8 * c, r[j][c]);\
+}                                                                                                             \
+static void NAME##_pvblock(int nj, int cw, const T* v0, const int64_t* roff, const float* w, float* a, int D) {\
+    switch (nj * 4 + cw) {                                                                                    \
+        case 5: NAME##_pv(1, 1, v0, roff, w, a, D); break;                                                    \
+        case 6: NAME##_pv(1, 2, v0, roff, w, a, D); break;                                                    \
+        case 7: NAME##_pv(1, 3, v0, roff, w, a, D); break;                                                    \
+        case 8: NAME##_pv(1, 4, v0, roff, w, a, D); break;                                                    \
+        case 9: NAME##_pv(2, 1, v0, roff, w, a, D); break;                                                    \
+        case 10: NAME##_pv(2, 2, v0, roff, w, a, D); break;                                                   \
+        case 11: NAME##_pv(2, 3, v0, roff, w, a, D); break;                                                   \
+        case 12: NAME##_pv(2, 4, v0, roff, w, a, D); break;                                                   \
+        case 13: NAME##_pv(3, 1, v0, roff, w, a, D); break;                                                   \
+        case 14: NAME##_pv(3, 2, v0, roff, w, a, D); break;                                                   \
+        case 15: NAME##_pv(3, 3, v0, roff, w, a, D); break;                                                   \
+        default: NAME##_pv(3, 4, v0, roff, w, a, D); break;                                                   \
+    }                                                                                                         \
+}                                                                                                             \
+static void NAME##_pitem(const float* q, int64_t q_ts, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs,  \
+                         int64_t c_ts, int64_t c_hs, const int32_t* bt, int ctx, int r0, int nr, int h, int G, int ND, int sh,\
+                         int msk, float scale, float* out, int64_t o_ts, int64_t o_hs, float* acc, float* w) {\
+    const int nq = nr * G, D = ND * 8, last = ctx + r0 + nr - 1; /* the block's last query position */        \
+    const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);                            \
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                           \
+    float m[MAX_NQ], l[MAX_NQ];                                                                               \
+    for (int j = 0; j < nq; j++) { m[j] = -INFINITY; l[j] = 0.f; }                                            \
+    memset(acc, 0, sizeof(float) * (size_t)nq * (size_t)D);                                                   \
+    const T* k0 = kc + (int64_t)h * c_hs;                                                                        \
+    const T* v0 = vc + (int64_t)h * c_hs;                                                                        \
+    int64_t roff[8];                                                                                          \
+    for (int kb = 0; kb <= last; kb += 8) {                                                                   \
+        for (int t = 0; t < 8; t++) { /* keys past the last position re-read row 0: masked below */           \
+            const int p = kb + t <= last ? kb + t : 0;                                                        \
+            roff[t] = (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;                                \
+        }                                                                                                     \
+        const __m256i kpos = _mm256_add_epi32(_mm256_set1_epi32(kb), lane);                                   \
+        for (int r = 0; r < nr; r++) {                                                                        \
+            const int pos = ctx + r0 + r;                                                                     \
+            /* lanes with key position <= pos are visible */                                                  \
+            const __m256 vis = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(pos + 1), kpos));     \
+            for (int g = 0; g < G; g++) {                                                                     \
+                const int j = r * G + g;                                                                      \
+                float* wj = w + j * 8;                                                                        \
+                if (kb > pos) { _mm256_storeu_ps(wj, _mm256_setzero_ps()); continue; }                        \
+                const float* qj = q + (int64_t)(r0 + r) * q_ts + (int64_t)(h * G + g) * q_hs;                 \
+                __m256 a[8];                                                                                  \
+                for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();                                       \
+                for (int c = 0; c < ND; c++) {                                                                \
+                    const __m256 qc = _mm256_loadu_ps(qj + 8 * c);                                            \
+                    for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qc, LD(k0 + roff[t] + 8 * c), a[t]);   \
+                }                                                                                             \
+                const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(transpose_sum8(a), vscale), vis);      \
+                __m256 mv = _mm256_max_ps(sv, _mm256_permute2f128_ps(sv, sv, 0x01));                          \
+                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));                   \
+                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));                   \
+                const float cm = _mm256_cvtss_f32(mv);                                                        \
+                if (cm > m[j]) { /* a new running max: rescale what is accumulated so far */                  \
+                    const float alpha = m[j] == -INFINITY ? 0.f : expf(m[j] - cm);                            \
+                    const __m256 va = _mm256_set1_ps(alpha);                                                  \
+                    float* aj = acc + (int64_t)j * D;                                                         \
+                    for (int c = 0; c < ND; c++) _mm256_storeu_ps(aj + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * c), va));\
+                    l[j] *= alpha;                                                                            \
+                    m[j] = cm;                                                                                \
+                }                                                                                             \
+                const __m256 e = exp256(_mm256_sub_ps(sv, _mm256_set1_ps(m[j])));                             \
+                __m256 z = _mm256_add_ps(e, _mm256_permute2f128_ps(e, e, 0x01));                              \
+                z = _mm256_hadd_ps(z, z);                                                                     \
+                z = _mm256_hadd_ps(z, z);                                                                     \
+                l[j] += _mm256_cvtss_f32(z);                                                                  \
+                _mm256_storeu_ps(wj, e);                                                                      \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int j0 = 0; j0 < nq; j0 += 3) {                                                                  \
+            const int nj = nq - j0 < 3 ? nq - j0 : 3;                                                         \
+            for (int c0 = 0; c0 < ND; c0 += 4)                                                                \
+                NAME##_pvblock(nj, ND - c0 < 4 ? ND - c0 : 4, v0 + 8 * c0, roff, w + j0 * 8,                  \
+                               acc + (int64_t)j0 * D + 8 * c0, D);                                            \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (int r = 0; r < nr; r++)                                                                              \
+        for (int g = 0; g < G; g++) {                                                                         \
+            const int j = r * G + g;                                                                          \
+            const __m256 sinv = _mm256_set1_ps(1.0f / l[j]);                                                  \
+            float* o = out + (int64_t)(r0 + r) * o_ts + (int64_t)(h * G + g) * o_hs;                          \
+            for (int c = 0; c < ND; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)j * D + 8 * c), sinv));\
+        }                                                                                                     \
+}                                                                                                             \
+/* S sequences: queries q[qs[s] .. qs[s+1]) (rows q_ts apart, heads q_hs apart), ctx[s] earlier positions,    \
+   block table bt + s * bt_ss. Returns 0, or 1 where the shape is not handled (the caller falls back). */     \
+int NAME(const float* q, int64_t q_ts, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs, int64_t c_ts,    \
+         int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx, float* out, int64_t o_ts,   \
+         int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {                                  \
+    const int G = Hq / Hkv;                                                                                   \
+    if (G * Hkv != Hq || G > MAX_GROUP || !fast_path(D, bs)) return 1;                                        \
+    const int ND = D / 8, sh = __builtin_ctz((unsigned)bs), msk = bs - 1;                                     \
+    int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (size_t)(S + 1)); /* first item of each sequence */   \
+    if (!first) return 2;                                                                                     \
+    first[0] = 0;                                                                                             \
+    for (int s = 0; s < S; s++) first[s + 1] = first[s] + (int64_t)Hkv * ((qs[s + 1] - qs[s] + QB - 1) / QB); \
+    const int64_t items = first[S];                                                                           \
+    int err = 0;                                                                                              \
+    _Pragma("omp parallel")                                                                                   \
+    {                                                                                                         \
+        const unsigned int csr = _mm_getcsr();                                                                \
+        _mm_setcsr(csr | 0x8040);                                                                             \
+        float* acc = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * (size_t)D);                              \
+        float* w = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * 8);                                        \
+        if (!acc || !w) {                                                                                     \
+            _Pragma("omp atomic write")                                                                       \
+            err = 2;                                                                                          \
+        }                                                                                                     \
+        /* items in reverse: the long causal blocks (late rows of long sequences) first balance better */     \
+        _Pragma("omp for schedule(dynamic, 1)")                                                               \
+        for (int64_t i = items - 1; i >= 0; i--) {                                                            \
+            if (!acc || !w) continue;                                                                         \
+            int s = 0;                                                                                        \
+            while (first[s + 1] <= i) s++;                                                                    \
+            const int64_t local = i - first[s];                                                               \
+            const int h = (int)(local % Hkv), qb = (int)(local / Hkv);                                        \
+            const int lq = qs[s + 1] - qs[s], r0 = qb * QB, nr = lq - r0 < QB ? lq - r0 : QB;                 \
+            NAME##_pitem(q + (int64_t)qs[s] * q_ts, q_ts, q_hs, kc, vc, c_bs, c_ts, c_hs, bt + s * bt_ss, ctx[s], r0, nr,\
+                         h, G, ND, sh, msk, scale, out + (int64_t)qs[s] * o_ts, o_ts, o_hs, acc, w);          \
+        }                                                                                                     \
+        free(acc);                                                                                            \
+        free(w);                                                                                              \
+        _mm_setcsr(csr);                                                                                      \
+    }                                                                                                         \
+    free(first);                                                                                              \
+    return err;                                                                                               \
+}
+DEFINE_PREFILL(prefill_f32, float, ld_f32)
+DEFINE_PREFILL(prefill_bf16, uint16_t, ld_bf16)
+int has_prefill(void) { return 1; }
 #else
+int has_prefill(void) { return 0; }
+int prefill_f32(void) { return 1; }
+int prefill_bf16(void) { return 1; }
 static int fast_path(int D, int bs) { (void)D; (void)bs; return 0; }
 #define simd_f32 generic_f32
 #define simd_bf16 generic_bf16
@@ -370,6 +536,15 @@ _ARGTYPES = (
     + [ctypes.c_float, ctypes.c_int]  # scale, max_len
 )
 
+_PREFILL_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # q, row and head strides
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # caches, strides
+    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # block tables, row stride, qs, ctx
+    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # out, strides
+    + [ctypes.c_int] * 5  # S, Hq, Hkv, D, block_size
+    + [ctypes.c_float]  # scale
+)
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -383,6 +558,11 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = _ARGTYPES
         fn.restype = ctypes.c_int
+    for name in ("prefill_f32", "prefill_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = _PREFILL_ARGTYPES
+        fn.restype = ctypes.c_int
+    lib.has_prefill.restype = ctypes.c_int
     lib.has_simd.restype = ctypes.c_int
     lib.set_generic.argtypes = [ctypes.c_int]
     lib.set_generic.restype = None
@@ -463,3 +643,45 @@ def decode_attention(
     if err:
         raise RuntimeError(f"CPU decode attention kernel failed (code {err})")
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def supports_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`prefill_attention` handles these tensors (the AVX2 path: head dim a multiple of 8 up to
+    128, power-of-two blocks, float32/bfloat16 cache, float32 queries)."""
+    if not supports(query, k_cache) or query.dtype != torch.float32:
+        return False
+    lib = load()
+    d, bs = k_cache.shape[-1], k_cache.shape[1]
+    return bool(lib.has_prefill()) and d % 8 == 0 and d <= 128 and bs & (bs - 1) == 0
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of S prefill chunks read from the paged cache (their own keys/values already written).
+    query ``[T, Hq, D]`` float32, chunk s being rows ``query_start[s] .. query_start[s+1]`` at positions
+    ``context_lens[s]`` onwards; block_tables int32 ``[S, >= blocks]``. Returns ``[T, Hq, D]`` float32."""
+    lib = load()
+    assert lib is not None, "CPU attention kernel not available"
+    t, hq, d = query.shape
+    _, bs, hkv, _ = k_cache.shape
+    assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    out = torch.empty((t, hq, d), dtype=torch.float32)
+    bt = block_tables.to(torch.int32).contiguous()
+    qs = query_start.to(torch.int32).contiguous()
+    ctx = context_lens.to(torch.int32).contiguous()
+    fn = lib.prefill_f32 if k_cache.dtype == torch.float32 else lib.prefill_bf16
+    cs = k_cache.stride()
+    err = fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cs[0], cs[1], cs[2],
+             bt.data_ptr(), bt.stride(0), qs.data_ptr(), ctx.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+             int(ctx.shape[0]), hq, hkv, d, bs, float(scale))
+    if err:
+        raise RuntimeError(f"CPU prefill attention kernel failed (code {err})")
+    return out

@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel (kernels/cpu_attention.py) against the torch reference.
+"""The compiled CPU attention kernels (kernels/cpu_attention.py: decode, and causal prefill on the AVX2 path)
+against the torch reference.
 
 Covers both of its code paths: the AVX2 one (head dim a multiple of 8, power-of-two block size) and the
 portable one (other shapes), in float32 and bfloat16 caches, GQA ratios 1/3/4, ragged lengths around block
@@ -13,6 +14,7 @@ import torch
 from kernels import cpu_attention, reference
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler: the kernel is not built")
+needs_simd = pytest.mark.skipif(not cpu_attention.has_simd(), reason="the prefill kernel is the AVX2 path only")
 
 
 def test_vector_path_is_built_on_x86_64():
@@ -97,3 +99,46 @@ def test_huge_page_buffers_are_zeroed_aligned_and_outlive_their_views():
     assert float(view.sum()) == 2.0 * 1024 * 1024  # the mapping lives while a view does
     small = hugepages.zeros((4, 4), torch.bfloat16)  # below one huge page: an ordinary tensor
     assert small.dtype == torch.bfloat16 and not small.any()
+
+
+def _prefill_case(hq, hkv, d, bs, dtype, chunks, seed):
+    """chunks: (query rows, earlier context) per sequence; blocks scattered over a larger pool."""
+    g = torch.Generator().manual_seed(seed)
+    totals = [n + c for n, c in chunks]
+    need = [-(-t // bs) for t in totals]
+    num_blocks = sum(need) + 7
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(chunks), max(need), dtype=torch.int32)
+    o = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[o:o + n]
+        o += n
+    starts = torch.tensor([0] + [n for n, _ in chunks], dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), hq, d, generator=g)
+    return query, kc, vc, tables, starts, torch.tensor([c for _, c in chunks], dtype=torch.int32), totals
+
+
+@needs_simd
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (14, 2)])
+@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (80, 4), (16, 32), (8, 8)])
+def test_prefill_matches_reference(dtype, hq, hkv, d, bs):
+    """Causal chunks with and without earlier context, lengths around the 8-row query blocks and 8-key chunks."""
+    chunks = [(1, 0), (7, 0), (9, 3), (33, 40), (16, 0), (5, 100)]
+    query, kc, vc, tables, starts, ctx, totals = _prefill_case(hq, hkv, d, bs, dtype, chunks, seed=d + hq)
+    got = cpu_attention.prefill_attention(query, kc, vc, tables, starts, ctx, d ** -0.5)
+    expected = reference.paged_attention(query, kc, vc, tables, torch.tensor(totals, dtype=torch.int32), starts,
+                                         d ** -0.5)
+    torch.testing.assert_close(got, expected.float(), atol=2e-5, rtol=2e-5)
+
+
+@needs_simd
+def test_prefill_long_context_is_stable():
+    query, kc, vc, tables, starts, ctx, totals = _prefill_case(9, 3, 64, 16, torch.float32, [(40, 1500)], seed=9)
+    query *= 30.0  # large scores: the running max must rescale, never overflow
+    got = cpu_attention.prefill_attention(query, kc, vc, tables, starts, ctx, 0.125)
+    expected = reference.paged_attention(query, kc, vc, tables, torch.tensor(totals, dtype=torch.int32), starts,
+                                         0.125)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
