@@ -329,15 +329,18 @@ LEFT JOIN LATERAL (
     SELECT id, request_hash FROM jobs WHERE tenant_id = %(tenant)s AND idempotency_key = %(key)s) e ON true
 """
 
-# the conditional insert: accepted only when the bounds prove the limits hold
-_PG_ADMIT = f"""
-WITH d AS (
+# what changed since the tenant's cached bound was taken: its jobs created since (d), its ledger tokens since (l)
+_PG_SINCE_BOUND = f"""d AS (
     SELECT count(*) AS n, coalesce(sum({_PG_ESTIMATE}), 0) AS tokens
     FROM jobs WHERE tenant_id = %(tenant)s AND created_at > %(mark)s
 ), l AS (
     SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) AS tokens
     FROM usage_ledger WHERE tenant_id = %(tenant)s AND created_at > %(ledger_from)s
-), p AS (
+)"""
+
+# the conditional insert: accepted only when the bounds prove the limits hold
+_PG_ADMIT = f"""
+WITH {_PG_SINCE_BOUND}, p AS (
     SELECT id FROM prices WHERE model = %(model)s AND tier = %(tier)s AND effective_from <= clock_timestamp()
     ORDER BY version DESC LIMIT 1
 ), e AS (
@@ -652,13 +655,7 @@ def _submit_postgres(engine: Any, session_factory: sessionmaker, settings: Setti
 # per batch instead of per job is what makes it cheaper, for the API process and for PostgreSQL.
 
 _PG_ADMIT_MANY = f"""
-WITH d AS (
-    SELECT count(*) AS n, coalesce(sum({_PG_ESTIMATE}), 0) AS tokens
-    FROM jobs WHERE tenant_id = %(tenant)s AND created_at > %(mark)s
-), l AS (
-    SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) AS tokens
-    FROM usage_ledger WHERE tenant_id = %(tenant)s AND created_at > %(ledger_from)s
-), now AS (
+WITH {_PG_SINCE_BOUND}, now AS (
     SELECT clock_timestamp() AS t
 ), b AS (  -- the jobs, in order (k = 1, 2, ...): one JSON document, json columns keep their exact text
     SELECT * FROM json_to_recordset(CAST(%(batch)s AS json))

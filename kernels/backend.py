@@ -257,14 +257,14 @@ class TorchBackend:
         num_blocks, bs, hkv, d = k_cache.shape
         qsl = meta.query_start_loc_host
         lens = meta.seq_lens_host
-        if cpu_attention.supports_prefill(query, k_cache):  # every prefill chunk in one call, from the cache
-            plan = meta.cache.get("cpu_prefill")
-            if plan is None:  # once per step, shared by the layers
-                p0 = int(qsl[nd])
-                starts = qsl[nd:].astype(np.int32) - p0
-                ctx = (lens[nd:num_seqs] - np.diff(qsl[nd:])).astype(np.int32)
-                plan = meta.cache["cpu_prefill"] = (p0, torch.from_numpy(starts), torch.from_numpy(ctx),
-                                                    meta.block_tables[nd:num_seqs].contiguous())
+        plan_key = ("cpu_prefill", query.dtype, k_cache.dtype)
+        plan = meta.cache.get(plan_key)
+        if plan is None:  # once per step, shared by the layers
+            plan = meta.cache[plan_key] = False if not cpu_attention.supports_prefill(query, k_cache) else (
+                int(qsl[nd]), torch.from_numpy(qsl[nd:].astype(np.int32) - int(qsl[nd])),
+                torch.from_numpy((lens[nd:num_seqs] - np.diff(qsl[nd:])).astype(np.int32)),
+                meta.block_tables[nd:num_seqs].contiguous())
+        if plan:  # every prefill chunk in one call, keys and values read from the cache
             p0, starts, ctx, tables = plan
             out[p0:] = cpu_attention.prefill_attention(query[p0:], k_cache, v_cache, tables, starts, ctx, scale)
             return out

@@ -31,8 +31,8 @@ backend keeps its pure-torch path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
 
 import torch
 
@@ -187,6 +187,33 @@ static inline __m256 ld_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+/* the max of v's lanes, in every lane */
+static inline __m256 hmax8(__m256 v) {
+    v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+    v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_max_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+static inline float hsum8(__m256 v) {
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+    v = _mm256_hadd_ps(v, v);
+    return _mm256_cvtss_f32(_mm256_hadd_ps(v, v));
+}
+
+/* q . k for the 8 cache rows at roff[0..7] (one kv head's D = 8 * ND values each): 8 independent FMA chains,
+   one per position, summed across lanes into one vector of 8 scores */
+#define DEFINE_DOT8(T, LD)                                                                                    \
+static inline __m256 LD##_dot8(const float* q, const T* k0, const int64_t* roff, int ND) {                    \
+    __m256 a[8];                                                                                              \
+    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();                                                   \
+    for (int c = 0; c < ND; c++) {                                                                            \
+        const __m256 qc = _mm256_loadu_ps(q + 8 * c);                                                         \
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qc, LD(k0 + roff[t] + 8 * c), a[t]);               \
+    }                                                                                                         \
+    return transpose_sum8(a);                                                                                 \
+}
+DEFINE_DOT8(float, ld_f32)
+DEFINE_DOT8(uint16_t, ld_bf16)
+
 /* Software prefetch of the 8 rows (all kv heads) of positions p0..p0+7: the blocks are scattered, so the
    hardware prefetcher cannot run ahead across them; PF_CHUNKS chunks ahead keeps enough loads in flight
    (measured: 5-10% faster on the mixed workload's decode batches). */
@@ -231,13 +258,7 @@ static void NAME##_item(const float* q, int64_t q_hs, const T* kc, const T* vc, 
             for (int g = 0; g < G; g++) {                                                                     \
                 const int j = (h - h0) * G + g;                                                               \
                 const float* qg = q + (int64_t)(h * G + g) * q_hs;                                            \
-                __m256 a[8]; /* 8 independent FMA chains, one per position */                                 \
-                for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();                                       \
-                for (int c = 0; c < ND; c++) {                                                                \
-                    const __m256 qc = _mm256_loadu_ps(qg + 8 * c);                                            \
-                    for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qc, LD(k0 + roff[t] + 8 * c), a[t]);   \
-                }                                                                                             \
-                const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(transpose_sum8(a), vscale), valid);    \
+                const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(LD##_dot8(qg, k0, roff, ND), vscale), valid);\
                 _mm256_storeu_ps(sc + (int64_t)j * lpad + b * 8, r);                                          \
                 mx[j] = _mm256_max_ps(mx[j], r);                                                              \
             }                                                                                                 \
@@ -245,9 +266,7 @@ static void NAME##_item(const float* q, int64_t q_hs, const T* kc, const T* vc, 
     }                                                                                                         \
     float inv[MAX_HEADS];                                                                                     \
     for (int j = 0; j < nh; j++) {                                                                            \
-        __m256 m = _mm256_max_ps(mx[j], _mm256_permute2f128_ps(mx[j], mx[j], 0x01));                          \
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));                                \
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));                                \
+        const __m256 m = hmax8(mx[j]);                                                                        \
         float* row = sc + (int64_t)j * lpad;                                                                  \
         __m256 z = _mm256_setzero_ps();                                                                       \
         for (int i = 0; i < lpad; i += 8) {                                                                   \
@@ -255,10 +274,7 @@ static void NAME##_item(const float* q, int64_t q_hs, const T* kc, const T* vc, 
             _mm256_storeu_ps(row + i, e);                                                                     \
             z = _mm256_add_ps(z, e);                                                                          \
         }                                                                                                     \
-        z = _mm256_add_ps(z, _mm256_permute2f128_ps(z, z, 0x01));                                             \
-        z = _mm256_hadd_ps(z, z);                                                                             \
-        z = _mm256_hadd_ps(z, z);                                                                             \
-        inv[j] = 1.0f / _mm256_cvtss_f32(z);                                                                  \
+        inv[j] = 1.0f / hsum8(z);                                                                             \
     }                                                                                                         \
     const int D = ND * 8;                                                                                     \
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)D);                                                   \
@@ -411,17 +427,8 @@ static void NAME##_pitem(const float* q, int64_t q_ts, int64_t q_hs, const T* kc
                 float* wj = w + j * 8;                                                                        \
                 if (kb > pos) { _mm256_storeu_ps(wj, _mm256_setzero_ps()); continue; }                        \
                 const float* qj = q + (int64_t)(r0 + r) * q_ts + (int64_t)(h * G + g) * q_hs;                 \
-                __m256 a[8];                                                                                  \
-                for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();                                       \
-                for (int c = 0; c < ND; c++) {                                                                \
-                    const __m256 qc = _mm256_loadu_ps(qj + 8 * c);                                            \
-                    for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qc, LD(k0 + roff[t] + 8 * c), a[t]);   \
-                }                                                                                             \
-                const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(transpose_sum8(a), vscale), vis);      \
-                __m256 mv = _mm256_max_ps(sv, _mm256_permute2f128_ps(sv, sv, 0x01));                          \
-                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));                   \
-                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));                   \
-                const float cm = _mm256_cvtss_f32(mv);                                                        \
+                const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(LD##_dot8(qj, k0, roff, ND), vscale), vis);\
+                const float cm = _mm256_cvtss_f32(hmax8(sv));                                                 \
                 if (cm > m[j]) { /* a new running max: rescale what is accumulated so far */                  \
                     const float alpha = m[j] == -INFINITY ? 0.f : expf(m[j] - cm);                            \
                     const __m256 va = _mm256_set1_ps(alpha);                                                  \
@@ -431,10 +438,7 @@ static void NAME##_pitem(const float* q, int64_t q_ts, int64_t q_hs, const T* kc
                     m[j] = cm;                                                                                \
                 }                                                                                             \
                 const __m256 e = exp256(_mm256_sub_ps(sv, _mm256_set1_ps(m[j])));                             \
-                __m256 z = _mm256_add_ps(e, _mm256_permute2f128_ps(e, e, 0x01));                              \
-                z = _mm256_hadd_ps(z, z);                                                                     \
-                z = _mm256_hadd_ps(z, z);                                                                     \
-                l[j] += _mm256_cvtss_f32(z);                                                                  \
+                l[j] += hsum8(e);                                                                             \
                 _mm256_storeu_ps(wj, e);                                                                      \
             }                                                                                                 \
         }                                                                                                     \
@@ -545,9 +549,6 @@ _PREFILL_ARGTYPES = (
     + [ctypes.c_float]  # scale
 )
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def _build() -> ctypes.CDLL | None:
@@ -570,16 +571,11 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library (built on first use), or None where it cannot be built."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            _lib = _build()
-            _tried = True
-    return _lib
+    """The compiled kernel library (built on first use), or None where it cannot be built. Two first calls
+    racing may both build: harmless, ``native.build`` installs the library atomically."""
+    return _build()
 
 
 def available() -> bool:

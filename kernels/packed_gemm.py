@@ -18,7 +18,7 @@ at load by :mod:`kernels.cpu_gemm`, not assumed.
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 
 import torch
 
@@ -108,27 +108,17 @@ int gemm(const float* x, int64_t xs, const float* wp, const float* b, float* y, 
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
+@functools.cache
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            if "avx2" in native.cpu_flags().split() and "fma" in native.cpu_flags().split():
-                lib = native.build("packed_gemm", _SOURCE)
-                if lib is not None:
-                    lib.gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                         ctypes.c_int]
-                    lib.gemm.restype = ctypes.c_int
-                _lib = lib
-            _tried = True
-    return _lib
+    flags = native.cpu_flags().split()
+    if "avx2" not in flags or "fma" not in flags:
+        return None
+    lib = native.build("packed_gemm", _SOURCE)
+    if lib is not None:
+        lib.gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.gemm.restype = ctypes.c_int
+    return lib
 
 
 def available() -> bool:
