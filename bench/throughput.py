@@ -68,14 +68,22 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bflo
         workload = mixed(requests, seed, vocab_size=vocab, prompt_len=prompt_len, output_len=output_len)
     log(f"workload: {workload.summary()}")
     for dtype in dtypes:
+        dtype_engines = engines
         if dtype in ("bfloat16", "float16") and not allow_slow_half and not _native_half_gemm():
-            reason = (f"{dtype} skipped: this CPU has no native half-precision matrix multiply (no AVX512-BF16 / "
-                      "AMX); torch falls back to a reference GEMM ~25x slower than float32, so the run would take "
-                      "hours (--allow-slow-half runs it anyway)")
-            skipped[dtype] = reason
-            log(reason)
-            continue
-        rows += _run_dtype(model_dir, dtype, workload, engines=engines, repeats=repeats, hf_batch_size=hf_batch_size,
+            slow = ("this CPU has no native half-precision matrix multiply (no AVX512-BF16 / AMX); torch falls back "
+                    "to a reference GEMM ~25x slower than float32, so the run would take hours (--allow-slow-half "
+                    "runs it anyway)")
+            if dtype == "float16" or not _packed_bf16():
+                skipped[dtype] = f"{dtype} skipped: {slow}"
+                log(skipped[dtype])
+                continue
+            # inferq keeps bfloat16 weights and computes in float32 with its own kernel; HF would crawl
+            dtype_engines = [e for e in engines if not e.startswith("hf-")]
+            for e in set(engines) - set(dtype_engines):
+                skipped[f"{e} {dtype}"] = f"{LABELS[e]} in {dtype} skipped: {slow}"
+                log(skipped[f"{e} {dtype}"])
+        rows += _run_dtype(model_dir, dtype, workload, engines=dtype_engines, repeats=repeats,
+                           hf_batch_size=hf_batch_size,
                            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            max_batched_tokens=max_batched_tokens, threads=threads, info=info, skipped=skipped,
                            log=log)
@@ -108,6 +116,13 @@ def _native_half_gemm() -> bool:
     from worker.model import cpu_half_gemm_is_native
 
     return cpu_half_gemm_is_native()
+
+
+def _packed_bf16() -> bool:
+    """Whether inferq's bfloat16 runs on the packed kernel here (bfloat16 weights, float32 arithmetic)."""
+    from kernels import packed_gemm
+
+    return packed_gemm.available()
 
 
 def _run_dtype(model_dir: Path, dtype: str, wl: Workload, *, engines, repeats: int, hf_batch_size: int,

@@ -105,6 +105,8 @@ class Linear:
         transposed view (for consumers that take any strides: elementwise ops, another :class:`Linear`)."""
         form = self.forms[_bucket(x.shape[0])]
         if form == "pk":
+            if x.dtype != torch.float32:  # the kernel's arithmetic is float32 whatever the panels hold
+                return packed_gemm.matmul(x.float(), self.weight, self.out_dim, self.bias).to(x.dtype)
             return packed_gemm.matmul(x, self.weight, self.out_dim, self.bias)
         if form == "wx":
             y = self._wx(x)
@@ -115,6 +117,8 @@ class Linear:
         """``out += x W^T + b`` in place (``out`` must be this forward's own tensor); returns ``out``."""
         form = self.forms[_bucket(x.shape[0])]
         if form == "pk":
+            if out.dtype != torch.float32 or x.dtype != torch.float32:
+                return out.add_(self(x))
             return packed_gemm.matmul(x, self.weight, self.out_dim, self.bias, out=out)
         if form == "wx":
             return out.add_(self._wx(x))
@@ -176,16 +180,21 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
 
 
 def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding: bool = False,
-         autotune: bool = True) -> Linear:
+         autotune: bool = True, packed_only: bool = False) -> Linear:
     """A :class:`Linear` for ``weight_oi`` (``[out, in]``). On CPU with ``autotune``, the layout and the form
     per M bucket are measured (once per shape and dtype in this process). ``embedding``: the weight is also
     the embedding table (a tied LM head), read through :meth:`Linear.rows`, so only the layouts whose rows
-    gather cheaply ("oi", "pk") are candidates. Elsewhere: ``[out, in]`` and ``F.linear``."""
+    gather cheaply ("oi", "pk") are candidates. ``packed_only``: the packed kernel, unmeasured (a bfloat16
+    weight under float32 activations, which only it multiplies). Elsewhere: ``[out, in]`` and ``F.linear``."""
     weight_oi = weight_oi.contiguous()
+    if packed_only:
+        assert packed_gemm.available() and weight_oi.device.type == "cpu"
+        return Linear(packed_gemm.pack(weight_oi), bias, "pk", ("pk",) * (len(BUCKET_LIMITS) + 1),
+                      int(weight_oi.shape[0]))
     if weight_oi.device.type != "cpu" or not autotune:
         return Linear(weight_oi, bias)
     layouts = ("oi",) if embedding else ("oi", "io")
-    if weight_oi.dtype == torch.float32 and packed_gemm.available():
+    if weight_oi.dtype in packed_gemm.DTYPES and packed_gemm.available():
         layouts += ("pk",)
     key = (tuple(weight_oi.shape), weight_oi.dtype, layouts, torch.get_num_threads())
     with _lock:

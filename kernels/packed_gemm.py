@@ -38,14 +38,24 @@ _SOURCE = r"""
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
    call site (always_inline), so the row loops unroll and the accumulators live in registers. */
-static inline __attribute__((always_inline)) void block(const int MR, const float* x, int64_t xs, const float* w,
-                                                        int K, float* y, int64_t ys, const float* b, int nc,
-                                                        int accumulate, const float* prefetch) {
+static inline __attribute__((always_inline)) void block(const int MR, const int BF16, const float* x, int64_t xs,
+                                                        const void* wv, int K, float* y, int64_t ys, const float* b,
+                                                        int nc, int accumulate, const char* prefetch) {
     __m256 c0[6], c1[6];
     _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) { c0[r] = _mm256_setzero_ps(); c1[r] = _mm256_setzero_ps(); }
+    const int row_bytes = BF16 ? 2 * PANEL : 4 * PANEL;
     for (int k = 0; k < K; k++) {
-        if (prefetch) _mm_prefetch((const char*)(prefetch + (int64_t)k * PANEL), _MM_HINT_T0);
-        const __m256 w0 = _mm256_loadu_ps(w + (int64_t)k * PANEL), w1 = _mm256_loadu_ps(w + (int64_t)k * PANEL + 8);
+        if (prefetch && (!BF16 || !(k & 1))) _mm_prefetch(prefetch + (int64_t)k * row_bytes, _MM_HINT_T0);
+        __m256 w0, w1;
+        if (BF16) { /* bfloat16 -> float32 is a 16-bit shift into the high half */
+            const __m128i* wr = (const __m128i*)((const uint16_t*)wv + (int64_t)k * PANEL);
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(wr)), 16));
+            w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(wr + 1)), 16));
+        } else {
+            const float* wr = (const float*)wv + (int64_t)k * PANEL;
+            w0 = _mm256_loadu_ps(wr);
+            w1 = _mm256_loadu_ps(wr + 8);
+        }
         _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
             const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
             c0[r] = _mm256_fmadd_ps(xb, w0, c0[r]);
@@ -79,37 +89,112 @@ static inline __attribute__((always_inline)) void block(const int MR, const floa
     }
 }
 
-static void rows(int mr, const float* x, int64_t xs, const float* w, int K, float* y, int64_t ys, const float* b,
-                 int nc, int acc, const float* pf) {
-    switch (mr) {
-        case 1: block(1, x, xs, w, K, y, ys, b, nc, acc, pf); break;
-        case 2: block(2, x, xs, w, K, y, ys, b, nc, acc, pf); break;
-        case 3: block(3, x, xs, w, K, y, ys, b, nc, acc, pf); break;
-        case 4: block(4, x, xs, w, K, y, ys, b, nc, acc, pf); break;
-        case 5: block(5, x, xs, w, K, y, ys, b, nc, acc, pf); break;
-        default: block(6, x, xs, w, K, y, ys, b, nc, acc, pf); break;
+#define ROWS(NAME, BF16)                                                                                     \
+static void NAME(int mr, const float* x, int64_t xs, const void* w, int K, float* y, int64_t ys, const float* b, \
+                 int nc, int acc, const char* pf) {                                                           \
+    switch (mr) {                                                                                             \
+        case 1: block(1, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
+        case 2: block(2, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
+        case 3: block(3, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
+        case 4: block(4, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
+        case 5: block(5, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
+        default: block(6, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                   \
+    }                                                                                                         \
+}
+ROWS(rows_f32, 0)
+ROWS(rows_bf16, 1)
+
+#if defined(__AVX512F__)
+/* The AVX-512 form of block(): one 16-column panel row is one zmm register, so a tile holds up to 12 rows in
+   12 accumulators (each k: one weight load, 12 broadcast-FMAs), and a partial last panel is a masked store. */
+#define TILE_ROWS 12
+static inline __attribute__((always_inline)) void block512(const int MR, const int BF16, const float* x, int64_t xs,
+                                                           const void* wv, int K, float* y, int64_t ys,
+                                                           const float* b, int nc, int accumulate,
+                                                           const char* prefetch) {
+    __m512 c[TILE_ROWS];
+    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[r] = _mm512_setzero_ps();
+    const int row_bytes = BF16 ? 2 * PANEL : 4 * PANEL;
+    for (int k = 0; k < K; k++) {
+        if (prefetch && (!BF16 || !(k & 1))) _mm_prefetch(prefetch + (int64_t)k * row_bytes, _MM_HINT_T0);
+        __m512 w;
+        if (BF16)
+            w = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)wv + (int64_t)k * PANEL))), 16));
+        else
+            w = _mm512_loadu_ps((const float*)wv + (int64_t)k * PANEL);
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), w, c[r]);
+    }
+    const __mmask16 m = nc == PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << nc) - 1);
+    const __m512 bb = b ? _mm512_maskz_loadu_ps(m, b) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {
+        __m512 v = _mm512_add_ps(c[r], bb);
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, y + r * ys));
+        _mm512_mask_storeu_ps(y + r * ys, m, v);
     }
 }
+#define ROWS512(NAME, BF16)                                                                                  \
+static void NAME(int mr, const float* x, int64_t xs, const void* w, int K, float* y, int64_t ys, const float* b, \
+                 int nc, int acc, const char* pf) {                                                           \
+    switch (mr) {                                                                                             \
+        case 1: block512(1, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 2: block512(2, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 3: block512(3, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 4: block512(4, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 5: block512(5, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 6: block512(6, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 7: block512(7, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 8: block512(8, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 9: block512(9, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
+        case 10: block512(10, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                               \
+        case 11: block512(11, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                               \
+        default: block512(12, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                               \
+    }                                                                                                         \
+}
+ROWS512(rows512_f32, 0)
+ROWS512(rows512_bf16, 1)
+#define ROWS_F32 rows512_f32
+#define ROWS_BF16 rows512_bf16
+#else
+#define TILE_ROWS 6
+#define ROWS_F32 rows_f32
+#define ROWS_BF16 rows_bf16
+#endif
 
-/* y[M, N] (row stride ys) = or += x[M, K] (row stride xs) . W^T + b, W packed as [ceil(N/16), K, 16]. */
-int gemm(const float* x, int64_t xs, const float* wp, const float* b, float* y, int64_t ys, int M, int N, int K,
-         int accumulate) {
-    if (M <= 0 || N <= 0 || K <= 0) return 0;
+int has_avx512(void) { return TILE_ROWS == 12; }
+
+/* y[M, N] (row stride ys) = or += x[M, K] (row stride xs) . W^T + b, W packed as [ceil(N/16), K, 16] of float32
+   (gemm) or bfloat16 (gemm_bf16: widened to float32 as it is loaded; x, y, b and the sums stay float32). */
+static void gemm_any(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys,
+                     int M, int N, int K, int accumulate) {
+    if (M <= 0 || N <= 0 || K <= 0) return;
     const int np = (N + PANEL - 1) / PANEL;
-    const int tiles = (M + 5) / 6; /* near-equal tiles of at most 6 rows: 8 -> 4 + 4 */
+    const int tiles = (M + TILE_ROWS - 1) / TILE_ROWS; /* near-equal tiles: 8 -> 4 + 4 with AVX2's 6 */
+    const int64_t panel_bytes = (int64_t)K * PANEL * (bf16 ? 2 : 4);
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < np; p++) {
-        const float* w = wp + (int64_t)p * K * PANEL;
+        const char* w = (const char*)wp + (int64_t)p * panel_bytes;
         const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
         int m0 = 0;
         for (int t = 0; t < tiles; t++) {
             const int mr = (M - m0) / (tiles - t) + (((M - m0) % (tiles - t)) ? 1 : 0);
-            const float* next = (t == 0 && p + 1 < np) ? w + (int64_t)K * PANEL : 0; /* one line per k */
-            rows(mr, x + (int64_t)m0 * xs, xs, w, K, y + (int64_t)m0 * ys + n0, ys, b ? b + n0 : 0, nc, accumulate,
-                 next);
+            const char* next = (t == 0 && p + 1 < np) ? w + panel_bytes : 0;
+            (bf16 ? ROWS_BF16 : ROWS_F32)(mr, x + (int64_t)m0 * xs, xs, w, K, y + (int64_t)m0 * ys + n0, ys,
+                                          b ? b + n0 : 0, nc, accumulate, next);
             m0 += mr;
         }
     }
+}
+
+int gemm(const float* x, int64_t xs, const float* wp, const float* b, float* y, int64_t ys, int M, int N, int K,
+         int accumulate) {
+    gemm_any(0, x, xs, wp, b, y, ys, M, N, K, accumulate);
+    return 0;
+}
+
+int gemm_bf16(const float* x, int64_t xs, const uint16_t* wp, const float* b, float* y, int64_t ys, int M, int N,
+              int K, int accumulate) {
+    gemm_any(1, x, xs, wp, b, y, ys, M, N, K, accumulate);
     return 0;
 }
 """
@@ -121,9 +206,11 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib = native.build("packed_gemm", _SOURCE)
     if lib is not None:
-        lib.gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.gemm.restype = ctypes.c_int
+        lib.has_avx512.restype = ctypes.c_int
+        for fn in (lib.gemm, lib.gemm_bf16):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            fn.restype = ctypes.c_int
     return lib
 
 
@@ -132,11 +219,16 @@ def available() -> bool:
     return _load() is not None
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack(weight_oi: torch.Tensor) -> torch.Tensor:
-    """``[out, in]`` float32 weight -> panels ``[ceil(out/16), in, 16]`` (zero-padded past ``out``)."""
+    """``[out, in]`` float32 or bfloat16 weight -> panels ``[ceil(out/16), in, 16]`` of the same dtype
+    (zero-padded past ``out``)."""
     n, k = weight_oi.shape
+    assert weight_oi.dtype in DTYPES, weight_oi.dtype
     np_ = -(-n // PANEL)
-    padded = torch.zeros(np_ * PANEL, k, dtype=torch.float32)
+    padded = torch.zeros(np_ * PANEL, k, dtype=weight_oi.dtype)
     padded[:n] = weight_oi
     return padded.view(np_, PANEL, k).transpose(1, 2).contiguous()
 
@@ -144,7 +236,8 @@ def pack(weight_oi: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` as a new ``[M, n]`` tensor, or ``out += x W^T + b`` in place when ``out`` is given
-    (``out`` rows dense). ``x`` float32 ``[M, in]`` with dense rows (any row stride)."""
+    (``out`` rows dense). ``x`` float32 ``[M, in]`` with dense rows (any row stride); the panels float32 or
+    bfloat16 (then widened as they are read: bfloat16 storage, float32 arithmetic and result)."""
     lib = _load()
     assert lib is not None, "packed GEMM kernel not available"
     if x.stride(-1) != 1:
@@ -157,6 +250,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     assert out.stride(-1) == 1 and out.shape == (m, n)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    lib.gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-             out.data_ptr(), out.stride(0), m, n, k, 1 if accumulate else 0)
+    fn = lib.gemm if packed.dtype == torch.float32 else lib.gemm_bf16
+    fn(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+       out.data_ptr(), out.stride(0), m, n, k, 1 if accumulate else 0)
     return out

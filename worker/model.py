@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from inferq.log import get_logger
-from kernels import cpu_gemm, hugepages
+from kernels import cpu_gemm, hugepages, packed_gemm
 from kernels.backend import AttentionBackend, AttentionMetadata
 from kernels.cpu_gemm import Linear
 
@@ -278,9 +278,13 @@ class CausalLM:
         dtype: torch.dtype,
         device: torch.device,
         where: str = "checkpoint",
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
-        self.dtype = dtype
+        self.dtype = dtype  # activations and arithmetic
+        # the projections' storage: bfloat16 under float32 arithmetic on a CPU without native bfloat16
+        # matmul (see from_pretrained); otherwise the same as dtype
+        self.weight_dtype = weight_dtype or dtype
         self.device = device
         c = config
         # Normalise names: drop a leading "model." (and tolerate checkpoints saved without it).
@@ -318,9 +322,13 @@ class CausalLM:
             return t.view(heads, c.head_dim, *t.shape[1:])[:, half_perm].reshape(t.shape)
 
         # CPU: each projection's layout and GEMM form are measured on this machine (kernels/cpu_gemm.py)
-        def linear(w_oi: torch.Tensor | None, b: torch.Tensor | None) -> Linear:
+        narrow = self.weight_dtype != dtype
+
+        def linear(w_oi: torch.Tensor | None, b: torch.Tensor | None, embedding: bool = False) -> Linear:
             assert w_oi is not None  # take() raised for missing required weights
-            return cpu_gemm.plan(w_oi, b)
+            if narrow:  # only the packed kernel multiplies bfloat16 panels by float32 rows
+                return cpu_gemm.plan(w_oi.to(self.weight_dtype), b, packed_only=True)
+            return cpu_gemm.plan(w_oi, b, embedding=embedding)
 
         self.embed = take("embed_tokens.weight")
         if self.embed.shape[0] < c.vocab_size:
@@ -374,8 +382,12 @@ class CausalLM:
         # a tied head is the embedding table too: the lookup then reads the head's rows (one copy, whatever
         # layout the head runs fastest in)
         tied = lm_head is self.embed
-        self.lm_head = cpu_gemm.plan(lm_head, embedding=tied)
-        self._embed_rows = self.lm_head.rows if tied else (lambda ids, table=self.embed: F.embedding(ids, table))
+        self.lm_head = linear(lm_head, None, embedding=tied)
+        if tied:
+            rows = self.lm_head.rows
+            self._embed_rows = (lambda ids: rows(ids).to(dtype)) if narrow else rows
+        else:
+            self._embed_rows = lambda ids, table=self.embed: F.embedding(ids, table)
         if tied:
             del self.embed
         self.q_size = c.num_heads * c.head_dim
@@ -395,13 +407,22 @@ class CausalLM:
         config = load_config(model_dir)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, config)
+        tensors = _read_safetensors(model_dir)
+        if (dev.type == "cpu" and dt == torch.bfloat16 and not cpu_half_gemm_is_native()
+                and packed_gemm.available()):
+            # No native bfloat16 matmul (torch's fallback GEMM is ~25x slower than float32 here): keep the
+            # projections in bfloat16 (half the bytes each step reads) and compute in float32, widening each
+            # weight as the packed kernel loads it. The KV cache is bfloat16 too (ModelRunner's default).
+            get_logger(__name__).info("bfloat16 weights with float32 arithmetic (no native bfloat16 matmul on "
+                                      "this CPU)")
+            return cls(config, tensors, dtype=torch.float32, device=dev, where=str(model_dir),
+                       weight_dtype=torch.bfloat16)
         if dev.type == "cpu" and dt != torch.float32 and not cpu_half_gemm_is_native():
             # measured on an AVX2-only AMD EPYC: a bfloat16 decode step of SmolLM2-135M at batch 64 took 11 s,
             # the float32 one 0.4 s (torch falls back to a reference GEMM without AVX512-BF16/AMX)
             get_logger(__name__).warning(
                 "this CPU has no native bfloat16/float16 matrix multiply; expect it to be ~25x slower than "
                 "float32 (use --dtype float32)", dtype=str(dt).removeprefix("torch."))
-        tensors = _read_safetensors(model_dir)
         return cls(config, tensors, dtype=dt, device=dev, where=str(model_dir))
 
     # -- helpers ---------------------------------------------------------------------------------------

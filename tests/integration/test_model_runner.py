@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from kernels import cpu_gemm, packed_gemm
 from scheduler.request import Request, SamplingParams
 from tests.tiny_models import make_tiny_model
 from worker.model_runner import ModelRunner
@@ -214,6 +215,47 @@ def test_bfloat16_runner_close_to_float32(tiny_dirs):
         logits[dtype] = runner.compute_logits([(r, len(prompt))])[0]
     assert logits["bfloat16"].dtype == torch.float32
     torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.15, rtol=0.05)
+
+
+@pytest.mark.skipif(not packed_gemm.available(), reason="no AVX2+FMA CPU or no C compiler")
+def test_bfloat16_without_native_matmul_stores_bfloat16_and_computes_float32(tiny_dirs, monkeypatch):
+    """On a CPU without native bfloat16 matmul (simulated here where it has one), --dtype bfloat16 keeps every
+    projection (the tied head too) as bfloat16 panels of the packed kernel and the KV cache in bfloat16, and
+    computes in float32: the logits equal a float32 model whose weights were rounded to bfloat16 with a
+    bfloat16 cache."""
+    from worker import model as model_module
+
+    monkeypatch.setattr(model_module, "cpu_half_gemm_is_native", lambda: False)
+    path = tiny_dirs["qwen2"]  # attention biases: they stay float32
+    half = make_runner(path, dtype="bfloat16")
+    m = half.model
+    assert m.dtype == torch.float32 and m.weight_dtype == torch.bfloat16
+    linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(lin.layout == "pk" and lin.weight.dtype == torch.bfloat16 for lin in linears)
+    assert half.kv_caches[0][0].dtype == torch.bfloat16
+    rounded = make_runner(path, dtype="float32", kv_cache_dtype="bfloat16")
+    for lin_r, lin_h in zip([rounded.model.lm_head] + [x for layer in rounded.model.layers
+                                                       for x in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+                            linears, strict=True):
+        w = lin_r.w_oi.bfloat16().float()
+        lin_r.weight = cpu_gemm.plan(w, lin_r.bias, packed_only=True).weight
+        lin_r.layout, lin_r.forms = "pk", ("pk",) * len(lin_r.forms)
+        torch.testing.assert_close(lin_h.w_oi.float(), w, rtol=0, atol=0)
+    prompt = prompts_for(half.info.vocab_size, [21], seed=3)[0]
+    got: dict[str, list[torch.Tensor]] = {}
+    for name, runner in (("half", half), ("rounded", rounded)):
+        r = Request("x", prompt, SamplingParams(temperature=0))
+        BlockPool(runner.num_blocks, seed=4).give(r, len(prompt) + 4)
+        out = []
+        for n in (12, 9, 1, 1, 1):  # a prefill in two chunks, then decodes
+            lg = runner.compute_logits([(r, n)])[0]
+            if lg is not None:
+                out.append(lg)
+            advance(r, n, int(lg.argmax()) if lg is not None else None)
+        got[name] = out
+    assert len(got["half"]) == 4
+    for a, b in zip(got["half"], got["rounded"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_bfloat16_kv_cache_with_float32_model(tiny_dirs):

@@ -55,23 +55,32 @@ def test_plan_keeps_one_copy_and_tied_rows():
     plain = cpu_gemm.plan(w, autotune=False)
     assert plain.layout == "oi" and plain.forms == ("xw",) * 4
     half = cpu_gemm.plan(w.bfloat16())
-    assert half.layout in ("oi", "io")  # the packed kernel is float32 only
+    xh = x.bfloat16()
+    torch.testing.assert_close(half(xh), F.linear(xh, w.bfloat16()), rtol=2e-2, atol=2e-2)
+    narrow = cpu_gemm.plan(w.bfloat16(), packed_only=True) if packed_gemm.available() else None
+    if narrow is not None:  # bfloat16 panels under float32 rows: the float32 product of the rounded weight
+        assert narrow.layout == "pk" and narrow.weight.dtype == torch.bfloat16
+        torch.testing.assert_close(narrow(x), F.linear(x, w.bfloat16().float()), rtol=1e-5, atol=1e-4)
 
 
 @needs_packed
-@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (1, 40, 37), (5, 33, 64), (6, 48, 1), (7, 960, 576), (8, 17, 3),
-                                   (13, 100, 29), (64, 576, 96), (131, 50, 70)])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (1, 40, 37), (2, 20, 9), (3, 31, 16), (4, 64, 5), (5, 33, 64),
+                                   (6, 48, 1), (7, 960, 576), (8, 17, 3), (9, 47, 33), (10, 16, 70), (12, 81, 24),
+                                   (13, 100, 29), (24, 33, 40), (64, 576, 96), (131, 50, 70)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_kernel_matches_f_linear(m, n, k, bias):
-    """Every row-tile size (1-6), N not a multiple of the 16-column panel, odd K, bias, and accumulation."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_kernel_matches_f_linear(m, n, k, bias, dtype):
+    """Every row-tile size (1-6 with AVX2, 1-12 with AVX-512), N not a multiple of the 16-column panel, odd K, bias, and accumulation; with
+    float32 panels, and with bfloat16 panels (float32 arithmetic on the stored values: the reference is the
+    float32 product of the bfloat16 weight)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = torch.randn(n, k, generator=g)
+    w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(m, k, generator=g)
     packed = packed_gemm.pack(w)
-    assert packed.shape == (-(-n // 16), k, 16)
+    assert packed.shape == (-(-n // 16), k, 16) and packed.dtype == dtype
     lin = Linear(packed, b, "pk", ("pk",) * 4, n)
-    expected = F.linear(x, w, b)
+    expected = F.linear(x, w.float(), b)
     got = lin(x)
     assert got.shape == (m, n) and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
