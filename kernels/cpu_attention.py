@@ -51,6 +51,14 @@ _SOURCE = r"""
 #define MAX_ND 16
 #define MAX_HEADS 64 /* query heads per work item of the vector path */
 
+static int use_avx512 = 1; /* the AVX-512 decode item where compiled in; set_avx512(0) for tests and A/B runs */
+void set_avx512(int on) { use_avx512 = on; }
+#if defined(__AVX512F__)
+int has_avx512(void) { return 1; }
+#else
+int has_avx512(void) { return 0; }
+#endif
+
 static inline float bf16_load(const uint16_t* p, int64_t i) {
     uint32_t u = ((uint32_t)p[i]) << 16;
     float f;
@@ -228,6 +236,177 @@ static inline void prefetch_rows(const void* base, int64_t c_bs, int64_t c_ts, c
     }
 }
 
+#if defined(__AVX512F__)
+/* The AVX-512 form of a decode work item, for head dims that are multiples of 16 (one zmm per 16 values).
+   Scores: the K row of each position is loaded once per kv head and feeds all of its query heads (up to 3 at a
+   time: 24 accumulators, 8 positions x 3 heads), folded to 8 lanes and summed across by transpose_sum8. The
+   V sum: 3 query heads x 4 zmm of D per pass. Prefetches for the rows PF_CHUNKS chunks ahead are issued one
+   line per load, spread through the work instead of in a burst. Same passes and results as the AVX2 item. */
+static inline __m512 ld512_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld512_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m256 fold512(__m512 v) { /* the sum of the two 256-bit halves */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#define DEFINE_ITEM512(NAME, T, LD)                                                                           \
+static inline __attribute__((always_inline)) void NAME##_kdot(const int NG, const float* q, int64_t q_hs,      \
+        const T* k0, const int64_t* roff, const T* pf0, const int64_t* pfoff, int ND16, __m256* out) {        \
+    __m512 a[3][8];                                                                                           \
+    _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++)                                                      \
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) a[g][t] = _mm512_setzero_ps();                   \
+    for (int c = 0; c < ND16; c++) {                                                                          \
+        __m512 qv[3];                                                                                         \
+        _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++) qv[g] = _mm512_loadu_ps(q + g * q_hs + 16 * c); \
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {                                                 \
+            const __m512 kv = LD(k0 + roff[t] + 16 * c);                                                      \
+            if (pf0) _mm_prefetch((const char*)(pf0 + pfoff[t] + 16 * c), _MM_HINT_T0);                       \
+            _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++) a[g][t] = _mm512_fmadd_ps(qv[g], kv, a[g][t]);\
+        }                                                                                                     \
+    }                                                                                                         \
+    _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++) {                                                    \
+        __m256 f[8];                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) f[t] = fold512(a[g][t]);                          \
+        out[g] = transpose_sum8(f);                                                                           \
+    }                                                                                                         \
+}                                                                                                             \
+static inline __attribute__((always_inline)) void NAME##_vsum(const int NG, const int NC, const T* v0,         \
+        const int64_t* roff, int n, const float* w, int64_t wstride, float* acc, int D, const T* pf0,         \
+        const int64_t* pfoff) {                                                                               \
+    __m512 r[3][4];                                                                                           \
+    _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++)                                                      \
+        _Pragma("GCC unroll 4") for (int c = 0; c < NC; c++) r[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c); \
+    for (int t = 0; t < n; t++) {                                                                             \
+        const T* v = v0 + roff[t];                                                                            \
+        __m512 wt[3];                                                                                         \
+        _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++) wt[g] = _mm512_set1_ps(w[g * wstride + t]);      \
+        _Pragma("GCC unroll 4") for (int c = 0; c < NC; c++) {                                                \
+            const __m512 x = LD(v + 16 * c);                                                                  \
+            if (pf0) _mm_prefetch((const char*)(pf0 + pfoff[t] + 16 * c), _MM_HINT_T0);                      \
+            _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++) r[g][c] = _mm512_fmadd_ps(wt[g], x, r[g][c]);\
+        }                                                                                                     \
+    }                                                                                                         \
+    _Pragma("GCC unroll 3") for (int g = 0; g < NG; g++)                                                      \
+        _Pragma("GCC unroll 4") for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + g * D + 16 * c, r[g][c]); \
+}                                                                                                             \
+static void NAME##_kdotn(int ng, const float* q, int64_t q_hs, const T* k0, const int64_t* roff, const T* pf0, \
+                         const int64_t* pfoff, int ND16, __m256* out) {                                       \
+    if (ng == 3) NAME##_kdot(3, q, q_hs, k0, roff, pf0, pfoff, ND16, out);                                    \
+    else if (ng == 2) NAME##_kdot(2, q, q_hs, k0, roff, pf0, pfoff, ND16, out);                               \
+    else NAME##_kdot(1, q, q_hs, k0, roff, pf0, pfoff, ND16, out);                                            \
+}                                                                                                             \
+static void NAME##_vsumn(int ng, int nc, const T* v0, const int64_t* roff, int n, const float* w,              \
+                         int64_t wstride, float* acc, int D, const T* pf0, const int64_t* pfoff) {             \
+    switch (ng * 4 + nc) {                                                                                    \
+        case 5: NAME##_vsum(1, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                        \
+        case 6: NAME##_vsum(1, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                        \
+        case 8: NAME##_vsum(1, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                        \
+        case 9: NAME##_vsum(2, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                        \
+        case 10: NAME##_vsum(2, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                       \
+        case 12: NAME##_vsum(2, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                       \
+        case 13: NAME##_vsum(3, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                       \
+        case 14: NAME##_vsum(3, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                       \
+        default: NAME##_vsum(3, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;                       \
+    }                                                                                                         \
+}                                                                                                             \
+static void NAME##_item512(const float* q, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs, int64_t c_ts, \
+                           int64_t c_hs, const int32_t* bt, int len, int h0, int h1, int G, int ND, int sh,    \
+                           int msk, float scale, float* out, int64_t o_hs, float* sc, float* acc) {            \
+    const int nch = (len + 7) / 8, lpad = nch * 8, nh = (h1 - h0) * G, ND16 = ND / 2, D = ND * 8;             \
+    const int nc = ND16 % 4 == 0 ? 4 : (ND16 % 2 == 0 ? 2 : 1);                                               \
+    const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);                            \
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                           \
+    __m256 mx[MAX_HEADS];                                                                                     \
+    for (int j = 0; j < nh; j++) mx[j] = ninf;                                                                \
+    int64_t roff[8], pfoff[8];                                                                                \
+    for (int b = 0; b < nch; b++) {                                                                           \
+        const int n = (b == nch - 1) ? len - b * 8 : 8;                                                       \
+        const int pb = b + PF_CHUNKS < nch ? b + PF_CHUNKS : -1; /* the chunk to prefetch */                 \
+        for (int t = 0; t < 8; t++) { /* past len (last chunk): re-read row 0, its scores are masked below */ \
+            const int p = b * 8 + (t < n ? t : 0);                                                            \
+            roff[t] = (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;                                \
+            if (pb >= 0) {                                                                                    \
+                const int pp = pb * 8 + t < len ? pb * 8 + t : len - 1;                                       \
+                pfoff[t] = (int64_t)bt[pp >> sh] * c_bs + (int64_t)(pp & msk) * c_ts;                         \
+            }                                                                                                 \
+        }                                                                                                     \
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));             \
+        for (int h = h0; h < h1; h++) {                                                                       \
+            const T* k0 = kc + (int64_t)h * c_hs;                                                             \
+            for (int g0 = 0; g0 < G; g0 += 3) {                                                               \
+                const int ng = G - g0 < 3 ? G - g0 : 3;                                                       \
+                __m256 sv[3];                                                                                 \
+                NAME##_kdotn(ng, q + (int64_t)(h * G + g0) * q_hs, q_hs, k0, roff,                            \
+                             (pb >= 0 && g0 == 0) ? k0 : 0, pfoff, ND16, sv);                                 \
+                for (int g = 0; g < ng; g++) {                                                                \
+                    const int j = (h - h0) * G + g0 + g;                                                      \
+                    const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(sv[g], vscale), valid);             \
+                    _mm256_storeu_ps(sc + (int64_t)j * lpad + b * 8, r);                                      \
+                    mx[j] = _mm256_max_ps(mx[j], r);                                                          \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    float inv[MAX_HEADS];                                                                                     \
+    for (int j = 0; j < nh; j++) {                                                                            \
+        const __m256 m = hmax8(mx[j]);                                                                        \
+        float* row = sc + (int64_t)j * lpad;                                                                  \
+        __m256 z = _mm256_setzero_ps();                                                                       \
+        for (int i = 0; i < lpad; i += 8) {                                                                   \
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));                              \
+            _mm256_storeu_ps(row + i, e);                                                                     \
+            z = _mm256_add_ps(z, e);                                                                          \
+        }                                                                                                     \
+        inv[j] = 1.0f / hsum8(z);                                                                             \
+    }                                                                                                         \
+    memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)D);                                                   \
+    for (int b = 0; b < nch; b++) {                                                                           \
+        const int n = (b == nch - 1) ? len - b * 8 : 8;                                                       \
+        const int pb = b + PF_CHUNKS < nch ? b + PF_CHUNKS : -1;                                              \
+        for (int t = 0; t < 8; t++) {                                                                         \
+            const int p = b * 8 + (t < n ? t : 0);                                                            \
+            roff[t] = (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;                                \
+            if (pb >= 0) {                                                                                    \
+                const int pp = pb * 8 + t < len ? pb * 8 + t : len - 1;                                       \
+                pfoff[t] = (int64_t)bt[pp >> sh] * c_bs + (int64_t)(pp & msk) * c_ts;                         \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int h = h0; h < h1; h++) {                                                                       \
+            const T* v0 = vc + (int64_t)h * c_hs;                                                             \
+            for (int g0 = 0; g0 < G; g0 += 3) {                                                               \
+                const int ng = G - g0 < 3 ? G - g0 : 3;                                                       \
+                const int j = (h - h0) * G + g0;                                                              \
+                for (int c0 = 0; c0 < ND16; c0 += nc)                                                         \
+                    NAME##_vsumn(ng, nc, v0 + 16 * c0, roff, n, sc + (int64_t)j * lpad + b * 8, lpad,         \
+                                 acc + (int64_t)j * D + 16 * c0, D,                                           \
+                                 (pb >= 0 && g0 == 0) ? v0 + 16 * c0 : 0, pfoff);                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (int h = h0; h < h1; h++)                                                                             \
+        for (int g = 0; g < G; g++) {                                                                         \
+            const int j = (h - h0) * G + g;                                                                   \
+            const __m512 s = _mm512_set1_ps(inv[j]);                                                          \
+            float* o = out + (int64_t)(h * G + g) * o_hs;                                                     \
+            for (int c = 0; c < ND16; c++)                                                                    \
+                _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + (int64_t)j * D + 16 * c), s));\
+        }                                                                                                     \
+}
+DEFINE_ITEM512(simd_f32, float, ld512_f32)
+DEFINE_ITEM512(simd_bf16, uint16_t, ld512_bf16)
+#endif
+
+#if defined(__AVX512F__)
+/* inside DEFINE_DECODE's work loop: the AVX-512 item where the head dim is a multiple of 16 */
+#define DECODE_ITEM512(NAME)                                                                                  \
+            if (ND % 2 == 0 && use_avx512) {                                                                  \
+                NAME##_item512(q + s * q_ss, q_hs, kc, vc, c_bs, c_ts, c_hs, bt + s * bt_ss, len, h0, h0 + per,\
+                               G, ND, sh, msk, scale, out + s * o_ss, o_hs, sc, acc);                          \
+                continue;                                                                                     \
+            }
+#else
+#define DECODE_ITEM512(NAME)
+#endif
 /* One work item: kv heads [h0, h1) of one sequence, vectorised. Position p is row p & msk of block
    bt[p >> sh]; a row holds every kv head (Hkv x D contiguous), so walking positions in chunks of 8 and
    heads inside streams each block once, front to back (per-head items would read 1/Hkv of each row at a
@@ -344,6 +523,7 @@ int NAME(const float* q, int64_t q_ss, int64_t q_hs, const T* kc, const T* vc, i
             const int s = (int)(i / parts), h0 = (int)(i % parts) * per;                                      \
             const int len = lens[s];                                                                          \
             if (len <= 0) continue;                                                                           \
+            DECODE_ITEM512(NAME)                                                                              \
             NAME##_item(q + s * q_ss, q_hs, kc, vc, c_bs, c_ts, c_hs, bt + s * bt_ss, len, h0, h0 + per, G,   \
                         ND, sh, msk, scale, out + s * o_ss, o_hs, sc, acc);                                   \
         }                                                                                                     \
@@ -555,6 +735,9 @@ def _build() -> ctypes.CDLL | None:
     lib = native.build("cpu_attention", _SOURCE)
     if lib is None:
         return None
+    lib.set_avx512.argtypes = [ctypes.c_int]
+    lib.set_avx512.restype = None
+    lib.has_avx512.restype = ctypes.c_int
     for name in ("decode_f32", "decode_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = _ARGTYPES
@@ -586,6 +769,20 @@ def has_simd() -> bool:
     """Whether the AVX2+FMA path was compiled in (head dims that are multiples of 8, power-of-two blocks)."""
     lib = load()
     return lib is not None and bool(lib.has_simd())
+
+
+def has_avx512() -> bool:
+    """Whether the AVX-512 decode path was compiled in (head dims that are multiples of 16)."""
+    lib = load()
+    return lib is not None and bool(lib.has_avx512())
+
+
+def use_avx512(on: bool) -> None:
+    """Let the decode kernel take its AVX-512 path where compiled in (default), or keep it on AVX2: for tests
+    and side-by-side timings."""
+    lib = load()
+    if lib is not None:
+        lib.set_avx512(1 if on else 0)
 
 
 def use_generic(on: bool) -> None:

@@ -46,18 +46,25 @@ def _case(hq, hkv, d, bs, dtype, lens, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2)])
-@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (64, 32), (64, 8), (80, 16), (8, 4), (64, 12)])
-@pytest.mark.parametrize("generic", [False, True], ids=["vector", "scalar"])
-def test_decode_matches_reference(dtype, hq, hkv, d, bs, generic):
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (14, 2)])
+@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (64, 32), (64, 8), (80, 16), (16, 16), (32, 8), (48, 16),
+                                  (8, 4), (64, 12)])
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_decode_matches_reference(dtype, hq, hkv, d, bs, path):
+    """Each code path (AVX-512 where built: head dims 16-128 in steps of 16, 1-3 query heads per pass; AVX2;
+    the portable loops) against the reference."""
+    if path == "avx512" and not cpu_attention.has_avx512():
+        pytest.skip("no AVX-512 path on this CPU")
     lens = LENGTHS if bs != 12 else [1, 11, 12, 13, 40]
     query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, dtype, lens, seed=d * 31 + bs + hq)
     scale = d ** -0.5
-    cpu_attention.use_generic(generic)
+    cpu_attention.use_generic(path == "scalar")
+    cpu_attention.use_avx512(path == "avx512")
     try:
         got = cpu_attention.decode_attention(query, kc, vc, tables, seq_lens, max(lens), scale)
     finally:
         cpu_attention.use_generic(False)
+        cpu_attention.use_avx512(True)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
     expected = reference.paged_attention(query, kc.float(), vc.float(), tables, seq_lens, qsl, scale)
     assert got.shape == expected.shape and torch.isfinite(got).all()
