@@ -165,23 +165,35 @@ int has_avx512(void) { return TILE_ROWS == 12; }
 
 /* y[M, N] (row stride ys) = or += x[M, K] (row stride xs) . W^T + b, W packed as [ceil(N/16), K, 16] of float32
    (gemm) or bfloat16 (gemm_bf16: widened to float32 as it is loaded; x, y, b and the sums stay float32). */
+/* Rows per block of a large M: the block's x rows (about X_BLOCK_BYTES) stay in L2 while every panel of the
+   thread's share passes over them. Without blocks, each panel re-read all M rows of x from L3: for a prefill
+   chunk of 2048 rows x 576 that is 4.7 MB per 16 output columns. */
+#define X_BLOCK_BYTES (192 * 1024)
 static void gemm_any(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys,
                      int M, int N, int K, int accumulate) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     const int np = (N + PANEL - 1) / PANEL;
-    const int tiles = (M + TILE_ROWS - 1) / TILE_ROWS; /* near-equal tiles: 8 -> 4 + 4 with AVX2's 6 */
     const int64_t panel_bytes = (int64_t)K * PANEL * (bf16 ? 2 : 4);
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < np; p++) {
-        const char* w = (const char*)wp + (int64_t)p * panel_bytes;
-        const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-        int m0 = 0;
-        for (int t = 0; t < tiles; t++) {
-            const int mr = (M - m0) / (tiles - t) + (((M - m0) % (tiles - t)) ? 1 : 0);
-            const char* next = (t == 0 && p + 1 < np) ? w + panel_bytes : 0;
-            (bf16 ? ROWS_BF16 : ROWS_F32)(mr, x + (int64_t)m0 * xs, xs, w, K, y + (int64_t)m0 * ys + n0, ys,
-                                          b ? b + n0 : 0, nc, accumulate, next);
-            m0 += mr;
+    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * 4)) / TILE_ROWS * TILE_ROWS;
+    if (mb < 4 * TILE_ROWS) mb = 4 * TILE_ROWS;
+    if (M <= 2 * mb) mb = M;
+    #pragma omp parallel
+    for (int r0 = 0; r0 < M; r0 += mb) {
+        const int rows = M - r0 < mb ? M - r0 : mb;
+        const int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS; /* near-equal tiles: 8 -> 4 + 4 with AVX2's 6 */
+        /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < np; p++) {
+            const char* w = (const char*)wp + (int64_t)p * panel_bytes;
+            const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+            int m0 = r0;
+            for (int t = 0; t < tiles; t++) {
+                const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
+                const char* next = (t == 0 && p + 1 < np) ? w + panel_bytes : 0;
+                (bf16 ? ROWS_BF16 : ROWS_F32)(mr, x + (int64_t)m0 * xs, xs, w, K, y + (int64_t)m0 * ys + n0, ys,
+                                              b ? b + n0 : 0, nc, accumulate, next);
+                m0 += mr;
+            }
         }
     }
 }
