@@ -242,8 +242,8 @@ static inline void prefetch_rows(const void* base, int64_t c_bs, int64_t c_ts, c
    time: 24 accumulators, 8 positions x 3 heads), folded to 8 lanes and summed across by transpose_sum8. The
    V sum: 3 query heads x 4 zmm of D per pass. Prefetches for the rows PF_CHUNKS chunks ahead are issued one
    line per load, spread through the work instead of in a burst. Same passes and results as the AVX2 item. */
-static inline __m512 ld512_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld512_bf16(const uint16_t* p) {
+static inline __m512 ld_f32_512(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld_bf16_512(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 static inline __m256 fold512(__m512 v) { /* the sum of the two 256-bit halves */
@@ -392,8 +392,8 @@ static void NAME##_item512(const float* q, int64_t q_hs, const T* kc, const T* v
                 _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + (int64_t)j * D + 16 * c), s));\
         }                                                                                                     \
 }
-DEFINE_ITEM512(simd_f32, float, ld512_f32)
-DEFINE_ITEM512(simd_bf16, uint16_t, ld512_bf16)
+DEFINE_ITEM512(simd_f32, float, ld_f32_512)
+DEFINE_ITEM512(simd_bf16, uint16_t, ld_bf16_512)
 #endif
 
 #if defined(__AVX512F__)
@@ -544,6 +544,85 @@ DEFINE_DECODE(simd_bf16, uint16_t, ld_bf16)
    position, scores by 8 FMA chains per query vector, an online softmax (running max and sum, the
    accumulator rescaled when the max grows), and the weighted V sum register-blocked 3 query vectors x 4
    vectors of D at a time, so each V load feeds 3 FMAs. */
+/* q.k for 8 key rows, and the V sums of up to 3 query vectors, for the prefill item: zmm-wide (16 values per
+   register, half the instructions) where AVX-512 is built and the head dim is a multiple of 16, else the AVX2
+   helpers. */
+#if defined(__AVX512F__)
+#define PREFILL_OPS(NAME, T, LD)                                                                              \
+static inline __m256 NAME##_qk(const float* q, const T* k0, const int64_t* roff, int ND) {                    \
+    if (ND & 1) return LD##_dot8(q, k0, roff, ND);                                                            \
+    __m512 a[8];                                                                                              \
+    for (int t = 0; t < 8; t++) a[t] = _mm512_setzero_ps();                                                   \
+    for (int c = 0; c < ND / 2; c++) {                                                                        \
+        const __m512 qc = _mm512_loadu_ps(q + 16 * c);                                                        \
+        for (int t = 0; t < 8; t++) a[t] = _mm512_fmadd_ps(qc, LD##_512(k0 + roff[t] + 16 * c), a[t]);       \
+    }                                                                                                         \
+    __m256 f[8];                                                                                              \
+    for (int t = 0; t < 8; t++) f[t] = fold512(a[t]);                                                         \
+    return transpose_sum8(f);                                                                                 \
+}                                                                                                             \
+static inline __attribute__((always_inline)) void NAME##_pv512(const int NJ, const int CW, const T* v0,       \
+        const int64_t* roff, const float* w, float* a, int D) {                                               \
+    __m512 r[3][4];                                                                                           \
+    _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++)                                                      \
+        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) r[j][c] = _mm512_loadu_ps(a + (int64_t)j * D + 16 * c);\
+    for (int t = 0; t < 8; t++) {                                                                             \
+        const T* v = v0 + roff[t];                                                                            \
+        __m512 wt[3];                                                                                         \
+        _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++) wt[j] = _mm512_set1_ps(w[j * 8 + t]);            \
+        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) {                                                \
+            const __m512 x = LD##_512(v + 16 * c);                                                            \
+            _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++) r[j][c] = _mm512_fmadd_ps(wt[j], x, r[j][c]);\
+        }                                                                                                     \
+    }                                                                                                         \
+    _Pragma("GCC unroll 3") for (int j = 0; j < NJ; j++)                                                      \
+        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) _mm512_storeu_ps(a + (int64_t)j * D + 16 * c, r[j][c]);\
+}                                                                                                             \
+static void NAME##_pvall(int nq, int ND, const T* v0, const int64_t* roff, const float* w, float* acc, int D) { \
+    if (ND & 1) {                                                                                             \
+        for (int j0 = 0; j0 < nq; j0 += 3)                                                                    \
+            for (int c0 = 0; c0 < ND; c0 += 4)                                                                \
+                NAME##_pvblock(nq - j0 < 3 ? nq - j0 : 3, ND - c0 < 4 ? ND - c0 : 4, v0 + 8 * c0, roff,       \
+                               w + j0 * 8, acc + (int64_t)j0 * D + 8 * c0, D);                                \
+        return;                                                                                               \
+    }                                                                                                         \
+    const int N16 = ND / 2;                                                                                   \
+    for (int j0 = 0; j0 < nq; j0 += 3) {                                                                      \
+        const int nj = nq - j0 < 3 ? nq - j0 : 3;                                                             \
+        for (int c0 = 0; c0 < N16; c0 += 4) {                                                                 \
+            const int cw = N16 - c0 < 4 ? N16 - c0 : 4;                                                       \
+            const T* v = v0 + 16 * c0;                                                                        \
+            const float* wj = w + j0 * 8;                                                                     \
+            float* a = acc + (int64_t)j0 * D + 16 * c0;                                                       \
+            switch (nj * 4 + cw) {                                                                            \
+                case 5: NAME##_pv512(1, 1, v, roff, wj, a, D); break;                                         \
+                case 6: NAME##_pv512(1, 2, v, roff, wj, a, D); break;                                         \
+                case 7: NAME##_pv512(1, 3, v, roff, wj, a, D); break;                                         \
+                case 8: NAME##_pv512(1, 4, v, roff, wj, a, D); break;                                         \
+                case 9: NAME##_pv512(2, 1, v, roff, wj, a, D); break;                                         \
+                case 10: NAME##_pv512(2, 2, v, roff, wj, a, D); break;                                        \
+                case 11: NAME##_pv512(2, 3, v, roff, wj, a, D); break;                                        \
+                case 12: NAME##_pv512(2, 4, v, roff, wj, a, D); break;                                        \
+                case 13: NAME##_pv512(3, 1, v, roff, wj, a, D); break;                                        \
+                case 14: NAME##_pv512(3, 2, v, roff, wj, a, D); break;                                        \
+                case 15: NAME##_pv512(3, 3, v, roff, wj, a, D); break;                                        \
+                default: NAME##_pv512(3, 4, v, roff, wj, a, D); break;                                        \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+#else
+#define PREFILL_OPS(NAME, T, LD)                                                                              \
+static inline __m256 NAME##_qk(const float* q, const T* k0, const int64_t* roff, int ND) {                    \
+    return LD##_dot8(q, k0, roff, ND);                                                                        \
+}                                                                                                             \
+static void NAME##_pvall(int nq, int ND, const T* v0, const int64_t* roff, const float* w, float* acc, int D) { \
+    for (int j0 = 0; j0 < nq; j0 += 3)                                                                        \
+        for (int c0 = 0; c0 < ND; c0 += 4)                                                                    \
+            NAME##_pvblock(nq - j0 < 3 ? nq - j0 : 3, ND - c0 < 4 ? ND - c0 : 4, v0 + 8 * c0, roff, w + j0 * 8, \
+                           acc + (int64_t)j0 * D + 8 * c0, D);                                                \
+}
+#endif
 #define QB 8
 #define MAX_NQ (QB * MAX_GROUP)
 #define DEFINE_PREFILL(NAME, T, LD)                                                                           \
@@ -580,6 +659,7 @@ static void NAME##_pvblock(int nj, int cw, const T* v0, const int64_t* roff, con
         default: NAME##_pv(3, 4, v0, roff, w, a, D); break;                                                   \
     }                                                                                                         \
 }                                                                                                             \
+PREFILL_OPS(NAME, T, LD)                                                                                      \
 static void NAME##_pitem(const float* q, int64_t q_ts, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs,  \
                          int64_t c_ts, int64_t c_hs, const int32_t* bt, int ctx, int r0, int nr, int h, int G, int ND, int sh,\
                          int msk, float scale, float* out, int64_t o_ts, int64_t o_hs, float* acc, float* w) {\
@@ -607,7 +687,7 @@ static void NAME##_pitem(const float* q, int64_t q_ts, int64_t q_hs, const T* kc
                 float* wj = w + j * 8;                                                                        \
                 if (kb > pos) { _mm256_storeu_ps(wj, _mm256_setzero_ps()); continue; }                        \
                 const float* qj = q + (int64_t)(r0 + r) * q_ts + (int64_t)(h * G + g) * q_hs;                 \
-                const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(LD##_dot8(qj, k0, roff, ND), vscale), vis);\
+                const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(NAME##_qk(qj, k0, roff, ND), vscale), vis);\
                 const float cm = _mm256_cvtss_f32(hmax8(sv));                                                 \
                 if (cm > m[j]) { /* a new running max: rescale what is accumulated so far */                  \
                     const float alpha = m[j] == -INFINITY ? 0.f : expf(m[j] - cm);                            \
@@ -622,12 +702,7 @@ static void NAME##_pitem(const float* q, int64_t q_ts, int64_t q_hs, const T* kc
                 _mm256_storeu_ps(wj, e);                                                                      \
             }                                                                                                 \
         }                                                                                                     \
-        for (int j0 = 0; j0 < nq; j0 += 3) {                                                                  \
-            const int nj = nq - j0 < 3 ? nq - j0 : 3;                                                         \
-            for (int c0 = 0; c0 < ND; c0 += 4)                                                                \
-                NAME##_pvblock(nj, ND - c0 < 4 ? ND - c0 : 4, v0 + 8 * c0, roff, w + j0 * 8,                  \
-                               acc + (int64_t)j0 * D + 8 * c0, D);                                            \
-        }                                                                                                     \
+        NAME##_pvall(nq, ND, v0, roff, w, acc, D);                                                            \
     }                                                                                                         \
     for (int r = 0; r < nr; r++)                                                                              \
         for (int g = 0; g < G; g++) {                                                                         \

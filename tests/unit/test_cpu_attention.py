@@ -130,7 +130,7 @@ def _prefill_case(hq, hkv, d, bs, dtype, chunks, seed):
 @needs_simd
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (14, 2)])
-@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (80, 4), (16, 32), (8, 8)])
+@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (80, 4), (16, 32), (48, 16), (24, 8), (8, 8)])
 def test_prefill_matches_reference(dtype, hq, hkv, d, bs):
     """Causal chunks with and without earlier context, lengths around the 8-row query blocks and 8-key chunks."""
     chunks = [(1, 0), (7, 0), (9, 3), (33, 40), (16, 0), (5, 100)]
