@@ -96,7 +96,8 @@ class LLMEngine:
             model_dir = resolve_model(settings.model, settings)
             runner = ModelRunner(
                 model_dir, dtype=settings.dtype, device=settings.device, kv_cache_bytes=settings.kv_cache_bytes,
-                kv_cache_dtype=settings.kv_cache_dtype, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                kv_cache_dtype=settings.kv_cache_dtype, kv_cache_prefault=settings.kv_cache_prefault,
+                block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
                 max_batched_tokens=settings.max_batched_tokens, torch_threads=settings.torch_threads,
                 max_model_len=settings.max_model_len,
             )

@@ -452,15 +452,16 @@ class CausalLM:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
-                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                          prefault: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One K and one V pool per layer, ``[num_blocks, block_size, Hkv, D]`` of ``dtype`` (default: the
-        model's; attention computes in the model's dtype whatever the cache holds)."""
+        model's; attention computes in the model's dtype whatever the cache holds). ``prefault``: map every
+        page now (CPU) rather than on first use inside a step."""
         c = self.config
         dtype = dtype or self.dtype
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         if self.device.type == "cpu":  # 2 MiB pages: fewer TLB misses for scattered block reads
-            return [(hugepages.zeros(shape, dtype), hugepages.zeros(shape, dtype))
+            return [(hugepages.zeros(shape, dtype, prefault), hugepages.zeros(shape, dtype, prefault))
                     for _ in range(c.num_layers)]
         return [
             (

@@ -36,6 +36,7 @@ class ModelRunner:
         device: str | torch.device = "auto",
         kv_cache_bytes: int,
         kv_cache_dtype: str | torch.dtype = "auto",
+        kv_cache_prefault: bool = False,
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_batched_tokens: int = 2048,
@@ -70,7 +71,8 @@ class ModelRunner:
                 f"kv cache budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes: "
                 f"block_size {self.block_size} x {config.num_layers} layers x K/V)"
             )
-        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
+        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype,
+                                                      prefault=kv_cache_prefault)
         if isinstance(attention_backend, str) or attention_backend is None:
             self.backend = get_backend(self.device, attention_backend)
         else:

@@ -149,3 +149,24 @@ def test_prefill_long_context_is_stable():
     expected = reference.paged_attention(query, kc, vc, tables, torch.tensor(totals, dtype=torch.int32), starts,
                                          0.125)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_prefaulted_buffers_are_resident_at_once():
+    import os
+
+    from kernels import hugepages
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc here")
+    size = 64 << 20
+    before = rss()
+    lazy = hugepages.zeros((size // 4,), torch.float32)
+    assert rss() - before < size // 4  # mapped, not yet backed
+    before = rss()
+    eager = hugepages.zeros((size // 4,), torch.float32, prefault=True)
+    assert rss() - before >= size * 0.9 and not eager.any()
+    del lazy, eager
