@@ -915,8 +915,8 @@ def decode_attention(
 
 def supports_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether :func:`prefill_attention` handles these tensors (the AVX2 path: head dim a multiple of 8 up to
-    128, power-of-two blocks, float32/bfloat16 cache, float32 queries)."""
-    if not supports(query, k_cache) or query.dtype != torch.float32:
+    128, power-of-two blocks, float32/bfloat16 cache; float32 queries, or bfloat16 ones widened first)."""
+    if not supports(query, k_cache) or query.dtype not in (torch.float32, torch.bfloat16):
         return False
     lib = load()
     d, bs = k_cache.shape[-1], k_cache.shape[1]
@@ -934,13 +934,15 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of S prefill chunks read from the paged cache (their own keys/values already written).
     query ``[T, Hq, D]`` float32, chunk s being rows ``query_start[s] .. query_start[s+1]`` at positions
-    ``context_lens[s]`` onwards; block_tables int32 ``[S, >= blocks]``. Returns ``[T, Hq, D]`` float32."""
+    ``context_lens[s]`` onwards; block_tables int32 ``[S, >= blocks]``. Returns ``[T, Hq, D]`` float32 (the
+    caller's output tensor rounds it to the model's dtype)."""
     lib = load()
     assert lib is not None, "CPU attention kernel not available"
     t, hq, d = query.shape
     _, bs, hkv, _ = k_cache.shape
     assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
-    q = query if query.stride(-1) == 1 else query.contiguous()
+    q = query.float() if query.dtype != torch.float32 else query  # the kernel's arithmetic is float32
+    q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((t, hq, d), dtype=torch.float32)
     bt = block_tables.to(torch.int32).contiguous()
     qs = query_start.to(torch.int32).contiguous()

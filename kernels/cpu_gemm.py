@@ -23,7 +23,15 @@ weight cold in cache), GFLOP/s, best BLAS form vs pk:
     576 -> 3072       27 / 48     51 / 83     96 / 118     165 / 181
     576 -> 49152      49 / 70     57 / 106    104 / 141    143 / 135
 
-Where it is available it is a candidate like the others, and wins on the model's shapes there.
+Where it is available it is a candidate like the others, and wins on the model's shapes there. Where the CPU
+has AVX-512 the same layout runs a zmm micro-kernel; on the session-4 machine (AMD EPYC Zen 5 VM, 2 threads,
+the model's 30-layer set of shapes, weights cold) pk vs MKL through ``F.linear``, GFLOP/s:
+
+    M=8 127 / 40    M=16 223 / 71    M=64 350 / 120    M=1024 320 / 176    M=2048 329 / 178
+
+A fourth layout, "pd", is for bfloat16 weights on CPUs with AVX512-BF16: panels in k pairs
+``[ceil(out/16), in/2, 16, 2]`` multiplied by bfloat16 rows with the CPU's bfloat16 dot product (float32
+sums, one rounding of the result).
 """
 
 from __future__ import annotations
@@ -63,9 +71,10 @@ def _bucket(m: int) -> int:
 @dataclass
 class Linear:
     """One projection. ``weight`` is ``[out, in]`` contiguous (layout "oi"), ``[in, out]`` contiguous ("io"),
-    or packed ``[ceil(out/16), in, 16]`` ("pk", :mod:`kernels.packed_gemm`); ``forms[b]`` is "xw"
-    (``x @ W^T``, one GEMM writing rows), "wx" (``W @ x^T``, a GEMM writing columns, then transposed back)
-    or "pk" (the packed kernel; the only form of that layout) for M bucket b."""
+    packed ``[ceil(out/16), in, 16]`` ("pk", :mod:`kernels.packed_gemm`), or packed in k pairs
+    ``[ceil(out/16), in/2, 16, 2]`` ("pd", bfloat16); ``forms[b]`` is "xw" (``x @ W^T``, one GEMM writing
+    rows), "wx" (``W @ x^T``, a GEMM writing columns, then transposed back), or "pk" / "pd" (the packed
+    kernels; the only form of their layouts) for M bucket b."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -74,7 +83,7 @@ class Linear:
     out_dim: int = 0  # set from the weight unless packed (the packed weight is zero-padded to whole panels)
 
     def __post_init__(self) -> None:
-        if self.layout != "pk":
+        if self.layout not in ("pk", "pd"):
             self.out_dim = int(self.weight.shape[0 if self.layout == "oi" else 1])
 
     @property
@@ -82,6 +91,8 @@ class Linear:
         """The weight as an ``[out, in]`` tensor (a view unless packed, then a copy)."""
         if self.layout == "pk":
             return self.weight.transpose(1, 2).reshape(-1, self.weight.shape[1])[: self.out_dim]
+        if self.layout == "pd":
+            return packed_gemm.unpack_pairs(self.weight, self.out_dim)
         return self.weight if self.layout == "oi" else self.weight.t()
 
     @property
@@ -92,6 +103,8 @@ class Linear:
         """Rows ``ids`` of the ``[out, in]`` weight: the embedding lookup of a table tied to this head."""
         if self.layout == "pk":
             return self.weight[ids // packed_gemm.PANEL, :, ids % packed_gemm.PANEL]
+        if self.layout == "pd":
+            return self.weight[ids // packed_gemm.PANEL, :, ids % packed_gemm.PANEL].reshape(ids.shape[0], -1)
         return F.embedding(ids, self.w_oi)
 
     def _wx(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +117,9 @@ class Linear:
         """``x W^T + b`` as an ``[M, out]`` tensor: contiguous, or with ``contiguous=False`` possibly a
         transposed view (for consumers that take any strides: elementwise ops, another :class:`Linear`)."""
         form = self.forms[_bucket(x.shape[0])]
+        if form == "pd":
+            y = packed_gemm.matmul_pairs(x, self.weight, self.out_dim, self.bias)
+            return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
         if form == "pk":
             if x.dtype != torch.float32:  # the kernel's arithmetic is float32 whatever the panels hold
                 return packed_gemm.matmul(x.float(), self.weight, self.out_dim, self.bias).to(x.dtype)
@@ -116,6 +132,10 @@ class Linear:
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x W^T + b`` in place (``out`` must be this forward's own tensor); returns ``out``."""
         form = self.forms[_bucket(x.shape[0])]
+        if form == "pd":
+            if out.dtype != torch.bfloat16:
+                return out.add_(self(x))
+            return packed_gemm.matmul_pairs(x, self.weight, self.out_dim, self.bias, out=out)
         if form == "pk":
             if out.dtype != torch.float32 or x.dtype != torch.float32:
                 return out.add_(self(x))
@@ -132,6 +152,8 @@ def _stored(weight_oi: torch.Tensor, layout: str) -> torch.Tensor:
         return weight_oi
     if layout == "io":
         return weight_oi.t().contiguous()
+    if layout == "pd":
+        return packed_gemm.pack_pairs(weight_oi)
     return packed_gemm.pack(weight_oi)
 
 
@@ -152,7 +174,7 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
     candidates = []
     for layout in layouts:
         w = _stored(weight_oi, layout)
-        for form in ("pk",) if layout == "pk" else ("xw", "wx"):
+        for form in (layout,) if layout in ("pk", "pd") else ("xw", "wx"):
             candidates.append((layout, form, Linear(w, None, layout, (form,) * len(PROBE_M), n)))
     best = {(layout, form, i): float("inf") for layout, form, _ in candidates for i in range(len(xs))}
     scratch = torch.zeros(SCRATCH_BYTES // 4)
@@ -167,11 +189,11 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
     floor = [min(best[key] for key in best if key[2] == i) for i in range(len(xs))]
     chosen: tuple[float, str, tuple[str, ...]] | None = None
     for layout in layouts:
-        own = ("pk",) if layout == "pk" else ("xw", "wx")
+        own = (layout,) if layout in ("pk", "pd") else ("xw", "wx")
         forms = tuple(min(own, key=lambda f, i=i: best[layout, f, i]) for i in range(len(xs)))
         forms += forms[-1:] * (len(PROBE_M) - len(forms))
         score = sum(best[layout, forms[i], i] / floor[i] for i in range(len(xs)))
-        if layout == "pk":
+        if layout in ("pk", "pd"):
             score *= PACKED_BIAS
         if chosen is None or score < chosen[0]:
             chosen = (score, layout, forms)  # type: ignore[assignment]
@@ -196,6 +218,8 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding
     layouts = ("oi",) if embedding else ("oi", "io")
     if weight_oi.dtype in packed_gemm.DTYPES and packed_gemm.available():
         layouts += ("pk",)
+    if weight_oi.dtype == torch.bfloat16 and weight_oi.shape[1] % 2 == 0 and packed_gemm.has_bf16_dot():
+        layouts += ("pd",)  # bfloat16 rows x bfloat16 panels with the CPU's bfloat16 dot product
     key = (tuple(weight_oi.shape), weight_oi.dtype, layouts, torch.get_num_threads())
     with _lock:
         found = _plans.get(key)

@@ -31,10 +31,12 @@ PANEL = 16
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <string.h>
 #include <immintrin.h>
 #include <omp.h>
 
 #define PANEL 16
+#define X_BLOCK_BYTES (192 * 1024) /* see gemm_any */
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
    call site (always_inline), so the row loops unroll and the accumulators live in registers. */
@@ -163,12 +165,95 @@ ROWS512(rows512_bf16, 1)
 
 int has_avx512(void) { return TILE_ROWS == 12; }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* bfloat16 x bfloat16 -> float32 sums with vdpbf16ps (AVX512-BF16): twice the multiply-adds per instruction of a
+   float32 FMA. The weight is packed in k pairs, [ceil(N/16), K/2, 16, 2] (one zmm per pair row: column i's
+   W[i][2kp], W[i][2kp+1] adjacent), x is bfloat16 with rows of even length K, and each (x[2kp], x[2kp+1]) pair
+   is broadcast as one 32-bit lane. y is bfloat16 (rounded to nearest even), written or accumulated. */
+static inline __attribute__((always_inline)) void blockdp(const int MR, const uint16_t* x, int64_t xs,
+                                                          const uint16_t* w, int K2, uint16_t* y, int64_t ys,
+                                                          const float* b, int nc, int accumulate,
+                                                          const char* prefetch) {
+    __m512 c[12];
+    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[r] = _mm512_setzero_ps();
+    for (int kp = 0; kp < K2; kp++) {
+        if (prefetch) _mm_prefetch(prefetch + (int64_t)kp * 64, _MM_HINT_T0);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(w + (int64_t)kp * 32));
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * xs + 2 * kp, 4);
+            c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)_mm512_set1_epi32(pair), wv);
+        }
+    }
+    const __mmask16 m = nc == PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << nc) - 1);
+    const __m512 bb = b ? _mm512_maskz_loadu_ps(m, b) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {
+        __m512 v = _mm512_add_ps(c[r], bb);
+        uint16_t* yr = y + r * ys;
+        if (accumulate)
+            v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, yr)), 16)));
+        _mm256_mask_storeu_epi16(yr, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+static void rowsdp(int mr, const uint16_t* x, int64_t xs, const uint16_t* w, int K2, uint16_t* y, int64_t ys,
+                   const float* b, int nc, int acc, const char* pf) {
+    switch (mr) {
+        case 1: blockdp(1, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 2: blockdp(2, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 3: blockdp(3, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 4: blockdp(4, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 5: blockdp(5, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 6: blockdp(6, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 7: blockdp(7, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 8: blockdp(8, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 9: blockdp(9, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 10: blockdp(10, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        case 11: blockdp(11, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+        default: blockdp(12, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
+    }
+}
+int has_bf16_dot(void) { return 1; }
+int gemm_bf16_dot(const uint16_t* x, int64_t xs, const uint16_t* wp, const float* b, uint16_t* y, int64_t ys,
+                  int M, int N, int K, int accumulate) {
+    if (M <= 0 || N <= 0 || K <= 0) return 0;
+    if (K & 1) return 1;
+    const int np = (N + PANEL - 1) / PANEL, K2 = K / 2;
+    const int64_t panel_elems = (int64_t)K * PANEL;
+    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * 2)) / 12 * 12;
+    if (mb < 48) mb = 48;
+    if (M <= 2 * mb) mb = M;
+    #pragma omp parallel
+    for (int r0 = 0; r0 < M; r0 += mb) {
+        const int rows = M - r0 < mb ? M - r0 : mb;
+        const int tiles = (rows + 11) / 12;
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < np; p++) {
+            const uint16_t* w = wp + (int64_t)p * panel_elems;
+            const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+            int m0 = r0;
+            for (int t = 0; t < tiles; t++) {
+                const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
+                const char* next = (t == 0 && p + 1 < np) ? (const char*)(w + panel_elems) : 0;
+                rowsdp(mr, x + (int64_t)m0 * xs, xs, w, K2, y + (int64_t)m0 * ys + n0, ys, b ? b + n0 : 0, nc,
+                       accumulate, next);
+                m0 += mr;
+            }
+        }
+    }
+    return 0;
+}
+#else
+int has_bf16_dot(void) { return 0; }
+int gemm_bf16_dot(void) { return 1; }
+#endif
+
+
 /* y[M, N] (row stride ys) = or += x[M, K] (row stride xs) . W^T + b, W packed as [ceil(N/16), K, 16] of float32
    (gemm) or bfloat16 (gemm_bf16: widened to float32 as it is loaded; x, y, b and the sums stay float32). */
 /* Rows per block of a large M: the block's x rows (about X_BLOCK_BYTES) stay in L2 while every panel of the
    thread's share passes over them. Without blocks, each panel re-read all M rows of x from L3: for a prefill
    chunk of 2048 rows x 576 that is 4.7 MB per 16 output columns. */
-#define X_BLOCK_BYTES (192 * 1024)
 static void gemm_any(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys,
                      int M, int N, int K, int accumulate) {
     if (M <= 0 || N <= 0 || K <= 0) return;
@@ -219,6 +304,11 @@ def _load() -> ctypes.CDLL | None:
     lib = native.build("packed_gemm", _SOURCE)
     if lib is not None:
         lib.has_avx512.restype = ctypes.c_int
+        lib.has_bf16_dot.restype = ctypes.c_int
+        lib.gemm_bf16_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_int]
+        lib.gemm_bf16_dot.restype = ctypes.c_int
         for fn in (lib.gemm, lib.gemm_bf16):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -265,4 +355,52 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     fn = lib.gemm if packed.dtype == torch.float32 else lib.gemm_bf16
     fn(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
        out.data_ptr(), out.stride(0), m, n, k, 1 if accumulate else 0)
+    return out
+
+
+def has_bf16_dot() -> bool:
+    """Whether the bfloat16 dot-product kernel runs here (AVX512-BF16)."""
+    lib = _load()
+    return lib is not None and bool(lib.has_bf16_dot())
+
+
+def pack_pairs(weight_oi: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` weight (``in`` even) -> bfloat16 panels in k pairs ``[ceil(out/16), in/2, 16, 2]`` for
+    :func:`matmul_pairs` (zero-padded past ``out``)."""
+    n, k = weight_oi.shape
+    assert k % 2 == 0, "the pair layout needs an even input size"
+    np_ = -(-n // PANEL)
+    padded = torch.zeros(np_ * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight_oi
+    return padded.view(np_, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[n, in]`` weight back from :func:`pack_pairs` panels."""
+    np_, k2 = packed.shape[0], packed.shape[1]
+    return packed.permute(0, 2, 1, 3).reshape(np_ * PANEL, 2 * k2)[:n]
+
+
+def matmul_pairs(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16 ``x W^T + b`` (float32 sums, rounded once) as a new ``[M, n]`` bfloat16 tensor, or
+    ``out += x W^T + b`` in place into bfloat16 ``out``; W as :func:`pack_pairs` panels."""
+    lib = _load()
+    assert lib is not None and lib.has_bf16_dot(), "bfloat16 dot-product kernel not available"
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert packed.shape[1] * 2 == k and packed.dtype == torch.bfloat16
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+    assert out.stride(-1) == 1 and out.shape == (m, n) and out.dtype == torch.bfloat16
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    err = lib.gemm_bf16_dot(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                            bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m, n, k,
+                            1 if accumulate else 0)
+    assert err == 0
     return out

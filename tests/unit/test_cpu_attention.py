@@ -142,6 +142,19 @@ def test_prefill_matches_reference(dtype, hq, hkv, d, bs):
 
 
 @needs_simd
+def test_prefill_takes_bfloat16_queries():
+    """A bfloat16 model's queries are widened to float32 for the kernel: the same result as float32 queries
+    holding the same values."""
+    query, kc, vc, tables, starts, ctx, totals = _prefill_case(9, 3, 64, 16, torch.bfloat16, [(20, 0), (9, 30)],
+                                                              seed=4)
+    half = query.bfloat16()
+    assert cpu_attention.supports_prefill(half, kc)
+    got = cpu_attention.prefill_attention(half, kc, vc, tables, starts, ctx, 0.125)
+    want = cpu_attention.prefill_attention(half.float(), kc, vc, tables, starts, ctx, 0.125)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@needs_simd
 def test_prefill_long_context_is_stable():
     query, kc, vc, tables, starts, ctx, totals = _prefill_case(9, 3, 64, 16, torch.float32, [(40, 1500)], seed=9)
     query *= 30.0  # large scores: the running max must rescale, never overflow

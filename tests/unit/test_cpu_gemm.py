@@ -92,6 +92,33 @@ def test_packed_kernel_matches_f_linear(m, n, k, bias, dtype):
     assert lin.out_features == n
 
 
+@pytest.mark.skipif(not packed_gemm.has_bf16_dot(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (2, 20, 10), (5, 33, 64), (8, 17, 4), (12, 81, 24), (13, 100, 30),
+                                   (64, 576, 96), (131, 50, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pair_packed_bfloat16_kernel_matches_f_linear(m, n, k, bias):
+    """The AVX512-BF16 kernel: bfloat16 rows x pair-packed bfloat16 panels, float32 sums rounded once to
+    bfloat16; every row-tile size 1-12, N not a multiple of 16, bias, accumulation, and the tied-head rows."""
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g).bfloat16()
+    packed = packed_gemm.pack_pairs(w)
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
+    lin = Linear(packed, b, "pd", ("pd",) * 4, n)
+    expected = F.linear(x.float(), w.float(), b)
+    got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=2e-2)
+    out = torch.randn(m, n, generator=g).bfloat16()
+    want = out.float() + expected
+    assert lin.add_to(out, x) is out
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=3e-2)
+    torch.testing.assert_close(lin.w_oi, w, rtol=0, atol=0)
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    torch.testing.assert_close(lin.rows(ids), w[ids], rtol=0, atol=0)
+
+
 @needs_packed
 def test_packed_kernel_takes_strided_rows_and_a_strided_output():
     g = torch.Generator().manual_seed(3)
