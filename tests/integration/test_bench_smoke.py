@@ -110,6 +110,8 @@ def test_roofline_smoke(tiny, tmp_path):
     assert d["step_ms"] > 0
     assert abs(sum(d["split_ms"].values()) - d["step_ms"]) < 0.05 * d["step_ms"] + 0.5
     assert 0 <= d["matmul_share_of_non_attention_forward"] <= 1
+    assert d["split_ms"]["matmuls"] > 0  # timed around the projection calls (C kernels the profiler misses)
+    assert d["matmul_flops_inferq"] and d["matmul_flops_torch"]
 
 
 def _services_up() -> bool:
@@ -154,3 +156,15 @@ def test_llama_cpp_reports_why_it_is_skipped(monkeypatch):
 
     monkeypatch.setattr(llama_cpp, "server_binary", lambda: None)
     assert "not built" in llama_cpp.unavailable_reason()
+
+
+def test_kernel_microbenchmarks_smoke(capsys):
+    from bench import kernels
+    from kernels import cpu_attention, packed_gemm
+
+    if packed_gemm._load() is None or not cpu_attention.has_simd():
+        pytest.skip("the C kernels are not built here")
+    kernels.gemm([3], repeats=1)
+    kernels._prefill_case([20, 9], repeats=1)  # also checks the kernel against SDPA
+    out = capsys.readouterr().out
+    assert "M=    3" in out and "packed" in out and "prefill chunks [20, 9]" in out

@@ -29,7 +29,9 @@ from tests.service_fixtures import (  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(170)]
 
-LONG = 1000  # tokens of a "long" job: several seconds on the tiny model
+LONG = 1000  # tokens of a "long" job: 1-10 s on the tiny model, depending on the machine
+# a job that cannot finish before the deadlines below on any machine (a fast one does 1000 tokens in ~1 s)
+ENDLESS = 15000
 TERMINAL = ("succeeded", "failed", "cancelled", "expired")
 
 
@@ -37,7 +39,7 @@ TERMINAL = ("succeeded", "failed", "cancelled", "expired")
 def tiny_model(tmp_path_factory) -> Path:
     from tests.tiny_models import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("models"), arch="llama", max_position_embeddings=2048)
+    return make_tiny_model(tmp_path_factory.mktemp("models"), arch="llama", max_position_embeddings=16384)
 
 
 class Service:
@@ -86,8 +88,16 @@ class Service:
 
     def wait_status(self, ids, statuses=TERMINAL, timeout=60.0) -> dict[str, str]:
         ids = list(ids)
-        return wait_for(lambda: (st := self.statuses(ids)) and all(v in statuses for v in st.values()) and st,
-                        timeout, what=f"jobs to reach {statuses}: {self.statuses(ids)}")
+        last: dict[str, str] = {}
+
+        def reached():
+            last.update(self.statuses(ids))
+            return bool(last) and all(v in statuses for v in last.values()) and dict(last)
+
+        try:
+            return wait_for(reached, timeout, what=f"jobs to reach {statuses}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen {last}") from None  # the statuses at the end, not the start
 
     def rows(self, job_id: str) -> tuple[list[Result], list[UsageEntry]]:
         with self.db() as s:
@@ -225,10 +235,10 @@ def test_cancel_queued_and_running(svc):
 
 
 def test_deadlines_in_queue_and_in_flight(svc):
-    blockers = [svc.submit(max_tokens=LONG, ignore_eos=True) for _ in range(3)]
+    blockers = [svc.submit(max_tokens=ENDLESS, ignore_eos=True) for _ in range(3)]
     svc.wait_status(blockers, ("running",), timeout=30)
-    in_flight = svc.submit(max_tokens=LONG, ignore_eos=True, deadline_seconds=1.5)
-    in_queue = svc.submit(max_tokens=LONG, ignore_eos=True, deadline_seconds=0.5)  # no capacity left
+    in_flight = svc.submit(max_tokens=ENDLESS, ignore_eos=True, deadline_seconds=1.5)
+    in_queue = svc.submit(max_tokens=ENDLESS, ignore_eos=True, deadline_seconds=0.5)  # no capacity left
     svc.wait_status([in_flight, in_queue], ("expired",), timeout=20)
     _, ledger = svc.assert_one_result(in_flight)
     assert ledger.completion_tokens > 0 and svc.job(in_flight).first_token_at is not None
