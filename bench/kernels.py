@@ -1,156 +1,474 @@
-"""Micro-benchmarks of the CPU kernels, each side by side in one process (alternating order, best or sum of
-repeats), on the default model's shapes. Run under the heavy-job lock:
+"""Triton paged-attention kernel benchmark (CUDA): ``python -m bench.kernels [--quick]``.
 
-    python -m bench.kernels gemm      # packed GEMM (this CPU's path, and AVX2 where AVX-512 is built) vs F.linear
-    python -m bench.kernels decode    # decode attention, AVX-512 item vs AVX2 item, float32 and bfloat16 caches
-    python -m bench.kernels prefill   # causal prefill kernel vs per-sequence SDPA
+For every configuration it first checks the kernel against ``kernels.reference`` (on a slice of the
+batch), then times it with ``triton.testing.do_bench`` (median) and reports achieved memory bandwidth
+against a measured device-to-device copy bandwidth (the practical ceiling of a memory-bound kernel):
 
-The shapes are SmolLM2-135M's (hidden 576, MLP 1536, 9 query / 3 kv heads of 64, vocab 49152, 30 layers);
-every layer has its own weight / KV pool, so data is cold in the caches as in a model step.
+* ``write_kv_cache`` (scatter of one step's K/V);
+* decode (one token per sequence, split-K) at batch 1/32/256 x context 512/4k/32k for a SmolLM2-like
+  shape (9 q heads, 3 kv heads, head dim 64) and a 32/8 x 128 shape, with the split-K heuristic and with
+  ``num_splits=1`` (what split-K buys a small batch), plus the torch backend's decode path as a baseline;
+* prefill: whole prompts, and chunks with a long cached prefix, as TFLOP/s (causal FLOPs), with torch
+  SDPA on contiguous K/V as a baseline for the no-prefix case;
+* optionally an end-to-end engine run on the GPU (Triton vs torch attention backend), if
+  ``worker.engine`` imports and the default model resolves.
+
+Results go to ``bench/results/kernels.json`` (rewritten after each section). Without CUDA it prints a
+message and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import random
+import functools
+import json
+import math
+import platform
+import sys
 import time
+import traceback
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
 
-from kernels import cpu_attention, hugepages, native, packed_gemm, reference
-
-LAYERS = 30
-SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]  # gate_up, down, qkv, o: (out, in)
-LM_HEAD = (49152, 576)
-
-
-def gemm(ms: list[int], repeats: int = 4) -> None:
-    """GFLOP/s over a 30-layer set of the model's projections (+ the LM head for M <= 64)."""
-    impls = {"F.linear": None, "packed": packed_gemm._load()}
-    if packed_gemm._load().has_avx512():  # the same source built without its AVX-512 block
-        lib = native.build("packed_gemm_avx2", packed_gemm._SOURCE.replace("#if defined(__AVX512F__)", "#if 0", 1))
-        lib.gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        impls["packed AVX2"] = lib
-    weights = {(n, k): [torch.randn(n, k) for _ in range(1 if (n, k) == LM_HEAD else LAYERS)]
-               for n, k in [*SHAPES, LM_HEAD]}
-    packed = {s: [packed_gemm.pack(w) for w in ws] for s, ws in weights.items()}
-    print("GFLOP/s, float32, 2 threads:", "  ".join(impls))
-    for m in ms:
-        shapes = [s for s in weights if s != LM_HEAD or m <= 64]
-        secs = dict.fromkeys(impls, 0.0)
-        for rep in range(repeats):
-            for name in (list(impls) if rep % 2 == 0 else list(impls)[::-1]):
-                lib = impls[name]
-                for n, k in shapes:
-                    x, y = torch.randn(m, k), torch.empty(m, n)
-                    t0 = time.perf_counter()
-                    if lib is None:
-                        for w in weights[n, k]:
-                            F.linear(x, w)
-                    else:
-                        for p in packed[n, k]:
-                            lib.gemm(x.data_ptr(), k, p.data_ptr(), None, y.data_ptr(), n, m, n, k, 0)
-                    secs[name] += time.perf_counter() - t0
-        flop = repeats * sum(2 * m * n * k * len(weights[n, k]) for n, k in shapes)
-        print(f"M={m:5d}  " + "  ".join(f"{name} {flop / s / 1e9:6.1f}" for name, s in secs.items()), flush=True)
+SHAPES = {
+    "smollm2": dict(hq=9, hkv=3, d=64),  # SmolLM2-135M/360M-like
+    "llama8b": dict(hq=32, hkv=8, d=128),  # 32 q heads / 8 kv heads x 128
+}
 
 
-def decode(seqs: int = 64, repeats: int = 8) -> None:
-    """One decode attention call per layer, ``seqs`` sequences of 40-760 cached positions, shuffled blocks."""
-    num_blocks, bs, hkv, hq, d = 2912, 16, 3, 9, 64
-    rng = random.Random(0)
-    lens = [rng.randint(40, 760) for _ in range(seqs)]
-    need = [(n + bs - 1) // bs for n in lens]
-    perm = list(range(num_blocks))
-    rng.shuffle(perm)
-    tables = torch.zeros(seqs, max(need), dtype=torch.int32)
-    i = 0
-    for s, n in enumerate(need):
-        tables[s, :n] = torch.tensor(perm[i:i + n])
-        i += n
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(seqs, hq, d)
-    paths = ["AVX-512", "AVX2"] if cpu_attention.has_avx512() else ["AVX2"]
-    for dtype in (torch.float32, torch.bfloat16):
-        pools = [(hugepages.zeros((num_blocks, bs, hkv, d), dtype, prefault=True),
-                  hugepages.zeros((num_blocks, bs, hkv, d), dtype, prefault=True)) for _ in range(LAYERS)]
-        for kc, vc in pools:
-            kc.normal_()
-            vc.normal_()
-        secs = dict.fromkeys(paths, 0.0)
-        for rep in range(repeats):
-            for path in (paths if rep % 2 == 0 else paths[::-1]):
-                cpu_attention.use_avx512(path == "AVX-512")
-                t0 = time.perf_counter()
-                for kc, vc in pools:
-                    cpu_attention.decode_attention(q, kc, vc, tables, seq_lens, max(lens), d ** -0.5)
-                if rep:  # the first round warms up
-                    secs[path] += time.perf_counter() - t0
-        cpu_attention.use_avx512(True)
-        kv_bytes = sum(lens) * hkv * d * dtype.itemsize * 2 * LAYERS * (repeats - 1)
-        print(f"decode, {seqs} seqs x 40-760 positions, {str(dtype).removeprefix('torch.')} cache: " + "  ".join(
-            f"{p} {s / (repeats - 1) / LAYERS * 1e3:.2f} ms/layer ({kv_bytes / s / 1e9:.1f} GB/s)"
-            for p, s in secs.items()), flush=True)
-        del pools
+def _parse_list(s: str) -> list[int]:
+    out = []
+    for part in s.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1
+        if part.endswith("k"):
+            mult, part = 1024, part[:-1]
+        out.append(int(part) * mult)
+    return out
 
 
-def prefill(repeats: int = 6) -> None:
-    """One layer's causal prefill attention of a step's chunks: the kernel vs per-sequence SDPA."""
-    for lens in ([512] * 4, [300, 400, 450, 500], [64] * 8):
-        _prefill_case(lens, repeats)
+def prefill_cases(quick: bool) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(label, [(cached context before the chunk, chunk length), ...]) per prefill benchmark."""
+    if quick:
+        return [("prompt 1x2k", [(0, 2048)]), ("chunk 256 after 2k prefix", [(2048, 256)])]
+    return [
+        ("prompt 1x4k", [(0, 4096)]),
+        ("prompts 8x512", [(0, 512)] * 8),
+        ("chunk 512 after 8k prefix", [(8192, 512)]),
+        ("mixed 4x(2k prefix+256) + 32 decodes", [(2048, 256)] * 4 + [(1023, 1)] * 32),
+    ]
 
 
-def _prefill_case(lens: list[int], repeats: int) -> None:
-    hq, hkv, d, bs = 9, 3, 64, 16
-    blocks = [(n + bs - 1) // bs for n in lens]
-    kc = torch.randn(sum(blocks) + 8, bs, hkv, d)
-    vc = torch.randn_like(kc)
-    q = torch.randn(sum(lens), hq, d)
-    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    first = 0
-    for s, n in enumerate(blocks):
-        tables[s, :n] = torch.arange(first, first + n)
-        first += n
-    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    ctx = torch.zeros(len(lens), dtype=torch.int32)
-    k_flat, v_flat = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sweep (a minute or so)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,32,256)")
+    ap.add_argument("--contexts", default=None, help="decode context lengths (default 512,4k,32k)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-kv-gib", type=float, default=40.0, help="skip configs whose K+V exceed this")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep decode/prefill tile sizes")
+    ap.add_argument("--no-baselines", action="store_true", help="skip torch baselines")
+    ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end engine run")
+    ap.add_argument("--e2e-requests", type=int, default=64)
+    ap.add_argument("--e2e-prompt", type=int, default=512)
+    ap.add_argument("--e2e-output", type=int, default=128)
+    ap.add_argument("--out", default=str(RESULTS), help="results JSON path")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batches = args.batches or "1,32"
+        args.contexts = args.contexts or "512,4k"
+        args.rep = min(args.rep, 50)
+        args.warmup = min(args.warmup, 10)
+        args.e2e_requests = min(args.e2e_requests, 16)
+        args.e2e_output = min(args.e2e_output, 32)
+    args.batches = _parse_list(args.batches or "1,32,256")
+    args.contexts = _parse_list(args.contexts or "512,4k,32k")
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    for s in args.shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}; known: {sorted(SHAPES)}")
+    return args
 
-    def kernel():
-        return cpu_attention.prefill_attention(q, kc, vc, tables, starts, ctx, d ** -0.5)
 
-    def sdpa():
+class Bench:
+    def __init__(self, args):
+        import torch
+        import triton
+        from triton.testing import do_bench
+
+        from kernels import reference
+        from kernels import triton_attention as ta
+
+        self.args = args
+        self.torch = torch
+        self.ta = ta
+        self.ref = reference
+        self.dtype = getattr(torch, args.dtype)
+        self.elt = torch.tensor([], dtype=self.dtype).element_size()
+        self.dev = torch.device("cuda")
+        self._do_bench = do_bench
+        props = torch.cuda.get_device_properties(self.dev)
+        self.results: dict = {
+            "machine": {
+                "gpu": props.name,
+                "sms": props.multi_processor_count,
+                "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+                "torch": torch.__version__,
+                "triton": triton.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
+            "args": {k: v for k, v in vars(args).items()},
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        self.tol = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}[self.dtype]
+
+    # --- helpers ----------------------------------------------------------------------------------
+    def bench_ms(self, fn) -> float:
+        return float(self._do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median"))
+
+    def save(self) -> None:
+        path = Path(self.args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.results, indent=2, default=str) + "\n")
+
+    def rel_err(self, out, ref) -> float:
+        out, ref = out.double(), ref.double()
+        if not bool(self.torch.isfinite(out).all()):
+            return float("inf")
+        return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+    def paged(self, seq_lens: list[int], hkv: int, d: int):
+        """Caches holding exactly the sequences' blocks, shuffled; block tables [S, max_blocks]."""
+        torch = self.torch
+        bs = self.args.block_size
+        nblk = [math.ceil(s / bs) for s in seq_lens]
+        total = sum(nblk) + 1
+        k_cache = torch.randn(total, bs, hkv, d, device=self.dev, dtype=self.dtype)
+        v_cache = torch.randn_like(k_cache)
+        perm = torch.randperm(total, device=self.dev).to(torch.int32)
+        bt = torch.zeros(len(seq_lens), max(nblk), dtype=torch.int32, device=self.dev)
+        i = 0
+        for s, n in enumerate(nblk):
+            bt[s, :n] = perm[i : i + n]
+            i += n
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=self.dev)
+        return k_cache, v_cache, bt, sl
+
+    # --- sections ---------------------------------------------------------------------------------
+    def copy_bandwidth(self) -> float:
+        gbs = self._copy_once(1 << 30)  # 1 GiB
+        self.torch.cuda.empty_cache()
+        self.copy_gbs = gbs
+        self.results["copy_bandwidth_gbs"] = gbs
+        print(f"device-to-device copy bandwidth: {gbs:,.0f} GB/s (read+write of 1 GiB, median)")
+        return gbs
+
+    def _copy_once(self, n: int) -> float:
+        x = self.torch.empty(n, dtype=self.torch.uint8, device=self.dev)
+        y = self.torch.empty_like(x)
+        ms = self.bench_ms(functools.partial(y.copy_, x))
+        return 2 * n / (ms * 1e-3) / 1e9
+
+    def write_kv(self) -> None:
+        rows = []
+        for name in self.args.shapes:
+            for T in (256, 4096) if not self.args.quick else (256,):
+                row = self._write_kv_one(name, T)
+                rows.append(row)
+                print(f"write_kv_cache {name:8s} T={T:5d}: {'ok ' if row['ok'] else 'BAD'} {row['ms'] * 1e3:8.1f} us "
+                      f"{row['gbs']:8.0f} GB/s ({row['pct_copy']:.0f}% of copy)  "
+                      f"torch index_copy {row['torch_ms'] * 1e3:.1f} us")
+        self.results["write_kv_cache"] = rows
+
+    def _write_kv_one(self, name: str, T: int) -> dict:
+        torch, ta = self.torch, self.ta
+        hkv, d = SHAPES[name]["hkv"], SHAPES[name]["d"]
+        bs = self.args.block_size
+        num_blocks = 4 * math.ceil(T / bs) + 1
+        kc = torch.zeros(num_blocks, bs, hkv, d, device=self.dev, dtype=self.dtype)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(num_blocks * bs, device=self.dev)[:T]
+        key = torch.randn(T, hkv, d, device=self.dev, dtype=self.dtype)
+        val = torch.randn_like(key)
+        ta.write_kv_cache(key, val, kc, vc, slots)
+        rk, rv = torch.zeros_like(kc), torch.zeros_like(vc)
+        self.ref.write_kv_cache(key, val, rk, rv, slots)
+        ok = bool(torch.equal(rk, kc) and torch.equal(rv, vc))
+        ms = self.bench_ms(functools.partial(ta.write_kv_cache, key, val, kc, vc, slots))
+        ref_ms = self.bench_ms(functools.partial(self.ref.write_kv_cache, key, val, rk, rv, slots))
+        nbytes = 2 * 2 * T * hkv * d * self.elt  # K and V, read + write
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        return dict(shape=name, tokens=T, ok=ok, ms=ms, gbs=gbs, pct_copy=100 * gbs / self.copy_gbs, torch_ms=ref_ms)
+
+    def decode(self) -> None:
+        rows = []
+        self.results["decode"] = rows
+        for name in self.args.shapes:
+            shp = SHAPES[name]
+            for S in self.args.batches:
+                for L in self.args.contexts:
+                    kv_bytes = 2 * S * L * shp["hkv"] * shp["d"] * self.elt
+                    if kv_bytes > self.args.max_kv_gib * 2**30:
+                        print(f"decode {name} B={S} L={L}: skipped ({kv_bytes / 2**30:.1f} GiB of K/V > "
+                              f"--max-kv-gib {self.args.max_kv_gib})")
+                        continue
+                    row = self._decode_one(name, S, L, kv_bytes)
+                    self.torch.cuda.empty_cache()
+                    rows.append(row)
+                    extra = ""
+                    if "ms_no_split" in row:
+                        extra += f"  no-split {row['ms_no_split'] * 1e3:8.1f} us (x{row['split_speedup']:.2f})"
+                    if row.get("torch_backend_ms"):
+                        extra += f"  torch {row['torch_backend_ms'] * 1e3:8.1f} us"
+                    print(f"decode {name:8s} B={S:4d} L={L:6d} splits={row['num_splits']:3d}: "
+                          f"{'ok ' if row['ok'] else 'BAD'} err {row['rel_err']:.1e} {row['ms'] * 1e3:9.1f} us "
+                          f"{row['gbs']:7.0f} GB/s ({row['pct_copy']:3.0f}% of copy){extra}")
+                    self.save()
+
+    def _decode_one(self, name: str, S: int, L: int, kv_bytes: int) -> dict:
+        torch, ta = self.torch, self.ta
+        hq, hkv, d = SHAPES[name]["hq"], SHAPES[name]["hkv"], SHAPES[name]["d"]
+        scale = d**-0.5
+        kc, vc, bt, sl = self.paged([L] * S, hkv, d)
+        q = torch.randn(S, hq, d, device=self.dev, dtype=self.dtype)
         out = torch.empty_like(q)
-        for s, n in enumerate(lens):
-            slots = reference.block_slots(tables[s], n, bs)
-            q0 = int(starts[s])
-            out[q0:q0 + n] = reference.attend_one(q[q0:q0 + n], k_flat.index_select(0, slots),
-                                                  v_flat.index_select(0, slots), d ** -0.5)
-        return out
+        splits = ta.default_num_splits(S, hkv, L, self.dev)
 
-    torch.testing.assert_close(kernel(), sdpa(), atol=1e-4, rtol=1e-4)
-    secs = {"kernel": 0.0, "SDPA": 0.0}
-    for rep in range(repeats):
-        for name, fn in (("kernel", kernel), ("SDPA", sdpa))[:: 1 if rep % 2 == 0 else -1]:
-            t0 = time.perf_counter()
+        def run(ns=None, bn=None):
+            return ta.paged_decode_attention(q, kc, vc, bt, sl, scale, ns, max_seq_len=L, out=out, block_n=bn)
+
+        run()
+        n = min(S, 4)  # correctness on (up to) the first 4 sequences
+        ref = self.ref.paged_attention(q[:n], kc, vc, bt[:n], sl[:n],
+                                       torch.arange(n + 1, dtype=torch.int32, device=self.dev), scale)
+        err = self.rel_err(out[:n], ref)
+        ms = self.bench_ms(run)
+        gbs = kv_bytes / (ms * 1e-3) / 1e9
+        row = dict(shape=name, batch=S, context=L, num_splits=splits, rel_err=err, ok=err < self.tol, ms=ms,
+                   gbs=gbs, pct_copy=100 * gbs / self.copy_gbs)
+        if splits > 1:
+            ms1 = self.bench_ms(functools.partial(run, 1))
+            row.update(ms_no_split=ms1, split_speedup=ms1 / ms)
+        if self.args.sweep:
+            sweep = {}
+            for bn in (16, 32, 64, 128):
+                for ns in sorted({1, splits, max(1, splits // 2), splits * 2}):
+                    try:
+                        sweep[f"block_n={bn},splits={ns}"] = self.bench_ms(functools.partial(run, ns, bn))
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                        sweep[f"block_n={bn},splits={ns}"] = f"error: {exc}"[:200]
+            row["sweep_ms"] = sweep
+        if not self.args.no_baselines and kv_bytes <= 4 * 2**30:
+            row["torch_backend_ms"] = self._torch_decode_ms(q, kc, vc, bt, [L] * S, scale)
+        return row
+
+    def _torch_decode_ms(self, q, kc, vc, bt, seq_lens, scale):
+        try:
+            import numpy as np
+
+            from kernels.backend import AttentionMetadata, TorchBackend
+
+            S = q.shape[0]
+            meta = AttentionMetadata.build(
+                slot_mapping=np.zeros(S, np.int64), block_tables=bt.cpu().numpy(), seq_lens=np.array(seq_lens),
+                query_start_loc=np.arange(S + 1), block_size=self.args.block_size, device=self.dev,
+            )
+            be = TorchBackend()
+            return self.bench_ms(functools.partial(be.forward, q, None, None, kc, vc, meta, scale))
+        except Exception as exc:  # noqa: BLE001 - baseline only
+            print(f"  (torch baseline failed: {exc})")
+            return None
+
+    def prefill(self) -> None:
+        rows = []
+        self.results["prefill"] = rows
+        for name in self.args.shapes:
+            for label, seqs in prefill_cases(self.args.quick):
+                row = self._prefill_one(name, label, seqs)
+                self.torch.cuda.empty_cache()
+                rows.append(row)
+                extra = f"  torch sdpa {row['torch_sdpa_ms'] * 1e3:8.1f} us" if row.get("torch_sdpa_ms") else ""
+                print(f"prefill {name:8s} {label:38s}: {'ok ' if row['ok'] else 'BAD'} err {row['rel_err']:.1e} "
+                      f"{row['ms'] * 1e3:9.1f} us {row['tflops']:6.1f} TFLOP/s{extra}")
+                self.save()
+
+    def _prefill_one(self, name: str, label: str, seqs: list[tuple[int, int]]) -> dict:
+        torch, ta = self.torch, self.ta
+        F = torch.nn.functional
+        hq, hkv, d = SHAPES[name]["hq"], SHAPES[name]["hkv"], SHAPES[name]["d"]
+        scale = d**-0.5
+        seq_lens = [c + ql for c, ql in seqs]
+        q_lens = [ql for _, ql in seqs]
+        kc, vc, bt, sl = self.paged(seq_lens, hkv, d)
+        qsl_l = [0]
+        for ql in q_lens:
+            qsl_l.append(qsl_l[-1] + ql)
+        qsl = torch.tensor(qsl_l, dtype=torch.int32, device=self.dev)
+        T = qsl_l[-1]
+        q = torch.randn(T, hq, d, device=self.dev, dtype=self.dtype)
+        out = torch.empty_like(q)
+        mql = max(q_lens)
+
+        def run(bm=None, bn=None):
+            return ta.paged_prefill_attention(q, kc, vc, bt, sl, qsl, scale, mql, out=out, block_m=bm, block_n=bn)
+
+        run()
+        ref = self.ref.paged_attention(q, kc, vc, bt, sl, qsl, scale)
+        err = self.rel_err(out, ref)
+        ms = self.bench_ms(run)
+        # causal FLOPs: 2 matmuls x 2 flops x D per (query, visible key) pair per q head
+        pairs = sum(ql * c + ql * (ql + 1) // 2 for c, ql in seqs)
+        flops = 4 * d * hq * pairs
+        kv_read = sum(seq_lens) * hkv * d * 2 * self.elt
+        row = dict(shape=name, case=label, tokens=T, rel_err=err, ok=err < self.tol, ms=ms,
+                   tflops=flops / (ms * 1e-3) / 1e12, kv_gbs=kv_read / (ms * 1e-3) / 1e9)
+        if self.args.sweep:
+            sweep = {}
+            for bm in (32, 64, 128):
+                for bn in (32, 64, 128):
+                    try:
+                        sweep[f"block_m={bm},block_n={bn}"] = self.bench_ms(functools.partial(run, bm, bn))
+                    except Exception as exc:  # noqa: BLE001
+                        sweep[f"block_m={bm},block_n={bn}"] = f"error: {exc}"[:200]
+            row["sweep_ms"] = sweep
+        if not self.args.no_baselines and len(seqs) == 1 and seqs[0][0] == 0:
+            # torch SDPA (flash) on contiguous K/V of the same length
+            L = seq_lens[0]
+            qq = q.transpose(0, 1)[None]
+            kk = torch.randn(1, hkv, L, d, device=self.dev, dtype=self.dtype)
+            vv = torch.randn_like(kk)
+            try:
+                row["torch_sdpa_ms"] = self.bench_ms(functools.partial(
+                    F.scaled_dot_product_attention, qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True))
+            except Exception as exc:  # noqa: BLE001
+                print(f"  (sdpa baseline failed: {exc})")
+        return row
+
+    def e2e(self) -> None:
+        """Engine run on the GPU with the Triton backend and with the torch backend (optional)."""
+        args = self.args
+        try:
+            from inferq.settings import load_settings
+            from scheduler.request import Request, SamplingParams
+            from worker.engine import LLMEngine
+            from worker.loader import resolve_model
+            from worker.model_runner import ModelRunner
+        except Exception as exc:  # noqa: BLE001
+            self.results["e2e"] = {"skipped": f"worker.engine not importable: {exc}"}
+            print(f"e2e: skipped (worker.engine not importable: {exc})")
+            return
+        import random
+
+        res: dict = {"requests": args.e2e_requests, "prompt_tokens": args.e2e_prompt,
+                     "output_tokens": args.e2e_output}
+        outputs: dict[str, dict[str, list[int]]] = {}
+        for backend in ("triton", "torch"):
+            try:
+                settings = load_settings(device=self.dev.type, dtype=args.dtype, max_num_seqs=max(64, args.e2e_requests),
+                                         max_batched_tokens=4096, kv_cache_memory="8GiB")
+                model_dir = resolve_model(settings.model, settings)
+                runner = ModelRunner(
+                    model_dir, dtype=settings.dtype, device=self.dev.type, kv_cache_bytes=settings.kv_cache_bytes,
+                    block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                    max_batched_tokens=settings.max_batched_tokens, attention_backend=backend,
+                    max_model_len=settings.max_model_len,
+                )
+                from transformers import AutoTokenizer
+
+                engine = LLMEngine(settings, runner=runner, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+                rng = random.Random(0)
+                vocab = min(int(runner.info.vocab_size), 32000)
+                reqs = [
+                    Request(request_id=f"r{i}", prompt_token_ids=[rng.randrange(100, vocab)
+                                                                  for _ in range(args.e2e_prompt)],
+                            sampling=SamplingParams(max_tokens=args.e2e_output, temperature=0.0, ignore_eos=True))
+                    for i in range(args.e2e_requests)
+                ]
+                self.torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for r in reqs:
+                    engine.add_request(r)
+                engine.run_until_done()
+                self.torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                gen = sum(len(r.output_token_ids) for r in reqs)
+                outputs[backend] = {r.request_id: list(r.output_token_ids) for r in reqs}
+                res[backend] = {"wall_s": wall, "generated_tokens": gen, "output_tok_s": gen / wall,
+                                "total_tok_s": (gen + args.e2e_prompt * len(reqs)) / wall,
+                                "steps": engine.stats.steps}
+                print(f"e2e {backend:6s}: {len(reqs)} requests x ({args.e2e_prompt} prompt + {args.e2e_output} "
+                      f"output): {wall:.2f} s, {gen / wall:,.0f} output tok/s")
+                del engine, runner
+                self.torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 - optional section
+                res[backend] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(f"e2e {backend}: failed: {type(exc).__name__}: {exc}")
+        if "triton" in outputs and "torch" in outputs:
+            a, b = outputs["triton"], outputs["torch"]
+            same = sum(a[k] == b.get(k) for k in a)
+            res["greedy_identical_requests"] = f"{same}/{len(a)}"
+            print(f"e2e greedy outputs identical (triton vs torch attention): {same}/{len(a)} requests "
+                  f"(bf16 rounding differences may legitimately flip a few)")
+        self.results["e2e"] = res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("bench.kernels: torch is not installed; nothing to do.")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench.kernels: no CUDA device available - the Triton kernel benchmark needs a GPU; skipping "
+              "(the kernels are tested on CPU by tests/unit/test_triton_kernels.py under TRITON_INTERPRET=1).")
+        return 0
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("bench.kernels: triton is not installed (pip install triton); skipping.")
+        return 0
+
+    b = Bench(args)
+    print(f"GPU {b.results['machine']['gpu']} ({b.results['machine']['sms']} SMs), torch {torch.__version__}, "
+          f"triton {b.results['machine']['triton']}, dtype {args.dtype}, block size {args.block_size}")
+    failures = []
+    sections = [("copy", b.copy_bandwidth), ("write_kv_cache", b.write_kv), ("decode", b.decode),
+                ("prefill", b.prefill)]
+    if not args.no_e2e:
+        sections.append(("e2e", b.e2e))
+    for name, fn in sections:
+        try:
             fn()
-            secs[name] += time.perf_counter() - t0
-    print(f"prefill chunks {lens}: " + "  ".join(f"{k} {v / repeats * 1e3:.2f} ms" for k, v in secs.items()),
-          flush=True)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["gemm", "decode", "prefill"])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 16, 64, 256, 1024, 2048], help="gemm: rows")
-    args = parser.parse_args()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    if packed_gemm._load() is None or cpu_attention.load() is None:
-        raise SystemExit("the C kernels are not available here (no AVX2+FMA CPU or no C compiler)")
-    {"gemm": lambda: gemm(args.m), "decode": decode, "prefill": prefill}[args.what]()
+        except Exception as exc:  # noqa: BLE001 - keep the other sections' results
+            traceback.print_exc()
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            b.results.setdefault("errors", []).append(failures[-1])
+            if name == "copy":
+                b.copy_gbs = float("nan")
+        b.save()
+    bad = [r for sec in ("write_kv_cache", "decode", "prefill") for r in b.results.get(sec, []) if not r.get("ok")]
+    b.results["all_correct"] = not bad and not failures
+    b.save()
+    print(f"results: {args.out}")
+    if bad:
+        print(f"CORRECTNESS FAILURES: {len(bad)} configuration(s): {bad}")
+        return 1
+    if failures:
+        print("section errors: " + "; ".join(failures))
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

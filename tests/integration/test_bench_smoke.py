@@ -159,12 +159,12 @@ def test_llama_cpp_reports_why_it_is_skipped(monkeypatch):
 
 
 def test_kernel_microbenchmarks_smoke(capsys):
-    from bench import kernels
+    from bench import cpu_kernels
     from kernels import cpu_attention, packed_gemm
 
     if packed_gemm._load() is None or not cpu_attention.has_simd():
         pytest.skip("the C kernels are not built here")
-    kernels.gemm([3], repeats=1)
-    kernels._prefill_case([20, 9], repeats=1)  # also checks the kernel against SDPA
+    cpu_kernels.gemm([3], repeats=1)
+    cpu_kernels._prefill_case([20, 9], repeats=1)  # also checks the kernel against SDPA
     out = capsys.readouterr().out
     assert "M=    3" in out and "packed" in out and "prefill chunks [20, 9]" in out
