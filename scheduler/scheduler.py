@@ -187,15 +187,21 @@ class Scheduler:
     def _admit(self, queue: list[Request], budget: int, out: SchedulerOutput, done: set[int],
                protect: Request | None = None, reserve: int = 0, seats: int = 0) -> int:
         """Admit waiting requests in order (no overtaking: a head that does not fit blocks its queue),
-        leaving ``reserve`` blocks and ``seats`` running slots free."""
+        leaving ``reserve`` blocks and ``seats`` running slots free. An interactive request finding every
+        seat taken preempts a batch one for its seat, as it would for blocks."""
         used = i = 0
-        while i < len(queue) and budget - used > 0 and len(self.running) < self.config.max_num_seqs - seats:
+        while i < len(queue) and budget - used > 0:
             req = queue[i]
             if not self._admissible(req):  # static policy: only the current cohort
                 i += 1
                 continue
             if id(req) in done:
                 break
+            if len(self.running) >= self.config.max_num_seqs - seats:
+                victim = self._victim(req, done, protect, batch_only=True) if req.tier is Tier.INTERACTIVE else None
+                if victim is None:
+                    break
+                self._preempt(victim, out, done)
             hit = self.bm.lookup(req)
             n = min(req.num_tokens - hit.num_tokens, budget - used)
             # Only interactive admissions may preempt (batch ones), never the protected batch head.

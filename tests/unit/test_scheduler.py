@@ -182,6 +182,24 @@ def test_interactive_preempts_batch_when_blocks_run_out():
     assert s.waiting[Tier.BATCH][0] is b2
 
 
+def test_interactive_preempts_batch_for_a_seat():
+    # Every seat taken by batch work: an arriving interactive request takes the least important one's seat
+    # (latest arrival), which goes back to the front of its queue; batch never takes a seat from batch.
+    s = make(num_blocks=64, block_size=4, max_batched_tokens=64, max_num_seqs=2, batch_min_share=0.25)
+    b1, b2, b3 = req(4, max_tokens=8), req(4, max_tokens=8), req(4, max_tokens=8)
+    for r in (b1, b2, b3):
+        s.add_request(r)
+    run_step(s)
+    assert {r.request_id for r in s.running} == {b1.request_id, b2.request_id}
+    i = req(4, tier=Tier.INTERACTIVE, max_tokens=2)
+    s.add_request(i)
+    out = run_step(s)
+    assert out.preempted == [b2] and (i, 4) in out.scheduled  # b1, the batch head, is protected
+    assert s.waiting[Tier.BATCH][:2] == [b2, b3] and len(s.running) == 2
+    drain(s)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in (b1, b2, b3, i))
+
+
 def test_batch_head_keeps_running_and_gets_its_share():
     # The batch head is never preempted by interactive work and gets >= 25% of every step's budget.
     s = make(num_blocks=64, block_size=4, max_batched_tokens=8, batch_min_share=0.25)
