@@ -12,7 +12,6 @@ every layer has its own weight / KV pool, so data is cold in the caches as in a 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import time
 
@@ -30,10 +29,8 @@ def gemm(ms: list[int], repeats: int = 4) -> None:
     """GFLOP/s over a 30-layer set of the model's projections (+ the LM head for M <= 64)."""
     impls = {"F.linear": None, "packed": packed_gemm._load()}
     if packed_gemm._load().has_avx512():  # the same source built without its AVX-512 block
-        lib = native.build("packed_gemm_avx2", packed_gemm._SOURCE.replace("#if defined(__AVX512F__)", "#if 0", 1))
-        lib.gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        impls["packed AVX2"] = lib
+        source = packed_gemm._SOURCE.replace("#if defined(__AVX512F__)", "#if 0", 1)
+        impls["packed AVX2"] = packed_gemm.bind(native.build("packed_gemm_avx2", source))
     weights = {(n, k): [torch.randn(n, k) for _ in range(1 if (n, k) == LM_HEAD else LAYERS)]
                for n, k in [*SHAPES, LM_HEAD]}
     packed = {s: [packed_gemm.pack(w) for w in ws] for s, ws in weights.items()}

@@ -1,15 +1,17 @@
 """Roofline: how close the engine gets to this CPU's matmul throughput, and where step time goes.
 
-1. Measured matmul FLOP/s of this CPU in the dtype (``torch.mm`` at the model's own GEMM shapes with a
-   decode-sized and a prefill-sized token count, and a square 1024 GEMM), best of a few repeats.
+1. Measured matmul FLOP/s of this CPU in the dtype (``F.linear`` and inferq's planned kernel at the model's own
+   GEMM shapes with a decode-sized and a prefill-sized token count, and a square 1024 GEMM), best of a few
+   repeats; the peak is the best of either.
 2. The model's FLOPs per token: 2 x the parameters of its matmuls (attention projections, MLP, LM head), plus
    attention's 4 x layers x heads x head_dim x context.
 3. Achieved FLOP/s of the engine at saturation (the mixed workload, all requests at t=0): FLOPs of every
    token it processed / engine busy time, and MFU = achieved / measured matmul peak.
 4. Step time split (wall clock, cheap wrappers on the engine's parts): scheduler, input preparation, the
    model's forward (of which attention: KV writes + attention kernels), sampling, and what remains of the
-   step (engine Python: postprocess, detokenize, bookkeeping). Inside the forward, torch.profiler over a
-   few steps splits matmul (aten::mm / addmm / linear) from the other ops (norms, RoPE, activations).
+   step (engine Python: postprocess, detokenize, bookkeeping). Inside the forward, matmuls are timed by
+   wrappers around every projection call (inferq's C kernels are invisible to torch.profiler); the rest is
+   the other ops (norms, RoPE, activations), whose largest aten ops torch.profiler lists over a few steps.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ from pathlib import Path
 
 from bench import common
 from bench.workloads import mixed
-
-MM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
-          "aten::_mkldnn_linear", "aten::mkldnn_linear", "aten::addmv", "aten::mv", "aten::dot"}
 
 
 def matmul_flops(dtype: str, shapes: list[tuple[int, int, int]], repeats: int = 5, min_time: float = 0.2,
@@ -127,7 +126,7 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32", "bflo
         sched_ms = split.get("schedule", 0.0) + split.get("postprocess", 0.0)
         prep_ms = split.get("prepare_inputs", 0.0)
         log(f"[{dtype}] profiling {profile_steps} steps with torch.profiler ...")
-        _, prof_top = _profile_forward(eng, wl, profile_steps)
+        prof_top = _profile_forward(eng, wl, profile_steps)
         # the projections run in inferq's own kernels (ctypes calls torch.profiler does not see): timed with
         # wall-clock wrappers around every Linear call, like the other parts
         matmul_ms = split.get("matmul", 0.0)
@@ -230,9 +229,9 @@ def _instrument(eng) -> _Timers:
     return timers
 
 
-def _profile_forward(eng, wl, n_steps: int) -> tuple[float, list]:
-    """Share of the non-attention forward CPU time spent in matmul ops, from torch.profiler over a few steps
-    in the middle of a run (a mix of prefill chunks and decodes)."""
+def _profile_forward(eng, wl, n_steps: int) -> list:
+    """The aten ops with the most self time outside attention, from torch.profiler over a few steps in the
+    middle of a run (a mix of prefill chunks and decodes): what the non-matmul model time is made of."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -271,7 +270,6 @@ def _profile_forward(eng, wl, n_steps: int) -> tuple[float, list]:
         engine.step()
     del torch
     events = prof.events()
-    mm = other = 0.0
     by_name: dict[str, float] = defaultdict(float)
     for ev in events:
         if ev.name.startswith("inferq::") or ev.name.startswith("ProfilerStep"):
@@ -287,13 +285,8 @@ def _profile_forward(eng, wl, n_steps: int) -> tuple[float, list]:
             continue
         st = ev.self_cpu_time_total
         by_name[ev.name] += st
-        if ev.name in MM_OPS:
-            mm += st
-        else:
-            other += st
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    total = mm + other
-    return (mm / total if total else 0.0), [(k, v / 1000.0) for k, v in top]
+    return [(k, v / 1000.0) for k, v in top]
 
 
 def _dtype_report(dtype: str, d: dict) -> str:

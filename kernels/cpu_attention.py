@@ -207,6 +207,22 @@ static inline float hsum8(__m256 v) {
     return _mm256_cvtss_f32(_mm256_hadd_ps(v, v));
 }
 
+/* Scores -> unnormalised softmax weights, in place: nh rows of lpad scores (lpad apart), row j against the max of
+   the lanes of mx[j]; inv[j] = 1 / the row's sum. */
+static void softmax_rows(float* sc, int nh, int lpad, const __m256* mx, float* inv) {
+    for (int j = 0; j < nh; j++) {
+        const __m256 m = hmax8(mx[j]);
+        float* row = sc + (int64_t)j * lpad;
+        __m256 z = _mm256_setzero_ps();
+        for (int i = 0; i < lpad; i += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));
+            _mm256_storeu_ps(row + i, e);
+            z = _mm256_add_ps(z, e);
+        }
+        inv[j] = 1.0f / hsum8(z);
+    }
+}
+
 /* q . k for the 8 cache rows at roff[0..7] (one kv head's D = 8 * ND values each): 8 independent FMA chains,
    one per position, summed across lanes into one vector of 8 scores */
 #define DEFINE_DOT8(T, LD)                                                                                    \
@@ -248,6 +264,22 @@ static inline __m512 ld_bf16_512(const uint16_t* p) {
 }
 static inline __m256 fold512(__m512 v) { /* the sum of the two 256-bit halves */
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+/* The cache-row offsets of chunk b's 8 positions (past len, in the last chunk: row 0 again, masked or skipped by
+   the caller), and, where chunk b + PF_CHUNKS exists, of its rows for prefetching (clamped to len); returns
+   whether it exists. */
+static inline int chunk_rows(const int32_t* bt, int64_t c_bs, int64_t c_ts, int sh, int msk, int len, int nch,
+                             int b, int64_t* roff, int64_t* pfoff) {
+    const int n = (b == nch - 1) ? len - b * 8 : 8, pb = b + PF_CHUNKS;
+    for (int t = 0; t < 8; t++) {
+        const int p = b * 8 + (t < n ? t : 0);
+        roff[t] = (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;
+        if (pb < nch) {
+            const int pp = pb * 8 + t < len ? pb * 8 + t : len - 1;
+            pfoff[t] = (int64_t)bt[pp >> sh] * c_bs + (int64_t)(pp & msk) * c_ts;
+        }
+    }
+    return pb < nch;
 }
 #define DEFINE_ITEM512(NAME, T, LD)                                                                           \
 static inline __attribute__((always_inline)) void NAME##_kdot(const int NG, const float* q, int64_t q_hs,      \
@@ -321,15 +353,7 @@ static void NAME##_item512(const float* q, int64_t q_hs, const T* kc, const T* v
     int64_t roff[8], pfoff[8];                                                                                \
     for (int b = 0; b < nch; b++) {                                                                           \
         const int n = (b == nch - 1) ? len - b * 8 : 8;                                                       \
-        const int pb = b + PF_CHUNKS < nch ? b + PF_CHUNKS : -1; /* the chunk to prefetch */                 \
-        for (int t = 0; t < 8; t++) { /* past len (last chunk): re-read row 0, its scores are masked below */ \
-            const int p = b * 8 + (t < n ? t : 0);                                                            \
-            roff[t] = (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;                                \
-            if (pb >= 0) {                                                                                    \
-                const int pp = pb * 8 + t < len ? pb * 8 + t : len - 1;                                       \
-                pfoff[t] = (int64_t)bt[pp >> sh] * c_bs + (int64_t)(pp & msk) * c_ts;                         \
-            }                                                                                                 \
-        }                                                                                                     \
+        const int pf = chunk_rows(bt, c_bs, c_ts, sh, msk, len, nch, b, roff, pfoff);                         \
         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));             \
         for (int h = h0; h < h1; h++) {                                                                       \
             const T* k0 = kc + (int64_t)h * c_hs;                                                             \
@@ -337,7 +361,7 @@ static void NAME##_item512(const float* q, int64_t q_hs, const T* kc, const T* v
                 const int ng = G - g0 < 3 ? G - g0 : 3;                                                       \
                 __m256 sv[3];                                                                                 \
                 NAME##_kdotn(ng, q + (int64_t)(h * G + g0) * q_hs, q_hs, k0, roff,                            \
-                             (pb >= 0 && g0 == 0) ? k0 : 0, pfoff, ND16, sv);                                 \
+                             (pf && g0 == 0) ? k0 : 0, pfoff, ND16, sv);                                 \
                 for (int g = 0; g < ng; g++) {                                                                \
                     const int j = (h - h0) * G + g0 + g;                                                      \
                     const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(sv[g], vscale), valid);             \
@@ -348,29 +372,11 @@ static void NAME##_item512(const float* q, int64_t q_hs, const T* kc, const T* v
         }                                                                                                     \
     }                                                                                                         \
     float inv[MAX_HEADS];                                                                                     \
-    for (int j = 0; j < nh; j++) {                                                                            \
-        const __m256 m = hmax8(mx[j]);                                                                        \
-        float* row = sc + (int64_t)j * lpad;                                                                  \
-        __m256 z = _mm256_setzero_ps();                                                                       \
-        for (int i = 0; i < lpad; i += 8) {                                                                   \
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));                              \
-            _mm256_storeu_ps(row + i, e);                                                                     \
-            z = _mm256_add_ps(z, e);                                                                          \
-        }                                                                                                     \
-        inv[j] = 1.0f / hsum8(z);                                                                             \
-    }                                                                                                         \
+    softmax_rows(sc, nh, lpad, mx, inv);                                                                      \
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)D);                                                   \
     for (int b = 0; b < nch; b++) {                                                                           \
         const int n = (b == nch - 1) ? len - b * 8 : 8;                                                       \
-        const int pb = b + PF_CHUNKS < nch ? b + PF_CHUNKS : -1;                                              \
-        for (int t = 0; t < 8; t++) {                                                                         \
-            const int p = b * 8 + (t < n ? t : 0);                                                            \
-            roff[t] = (int64_t)bt[p >> sh] * c_bs + (int64_t)(p & msk) * c_ts;                                \
-            if (pb >= 0) {                                                                                    \
-                const int pp = pb * 8 + t < len ? pb * 8 + t : len - 1;                                       \
-                pfoff[t] = (int64_t)bt[pp >> sh] * c_bs + (int64_t)(pp & msk) * c_ts;                         \
-            }                                                                                                 \
-        }                                                                                                     \
+        const int pf = chunk_rows(bt, c_bs, c_ts, sh, msk, len, nch, b, roff, pfoff);                         \
         for (int h = h0; h < h1; h++) {                                                                       \
             const T* v0 = vc + (int64_t)h * c_hs;                                                             \
             for (int g0 = 0; g0 < G; g0 += 3) {                                                               \
@@ -379,7 +385,7 @@ static void NAME##_item512(const float* q, int64_t q_hs, const T* kc, const T* v
                 for (int c0 = 0; c0 < ND16; c0 += nc)                                                         \
                     NAME##_vsumn(ng, nc, v0 + 16 * c0, roff, n, sc + (int64_t)j * lpad + b * 8, lpad,         \
                                  acc + (int64_t)j * D + 16 * c0, D,                                           \
-                                 (pb >= 0 && g0 == 0) ? v0 + 16 * c0 : 0, pfoff);                             \
+                                 (pf && g0 == 0) ? v0 + 16 * c0 : 0, pfoff);                             \
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
@@ -444,17 +450,7 @@ static void NAME##_item(const float* q, int64_t q_hs, const T* kc, const T* vc, 
         }                                                                                                     \
     }                                                                                                         \
     float inv[MAX_HEADS];                                                                                     \
-    for (int j = 0; j < nh; j++) {                                                                            \
-        const __m256 m = hmax8(mx[j]);                                                                        \
-        float* row = sc + (int64_t)j * lpad;                                                                  \
-        __m256 z = _mm256_setzero_ps();                                                                       \
-        for (int i = 0; i < lpad; i += 8) {                                                                   \
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));                              \
-            _mm256_storeu_ps(row + i, e);                                                                     \
-            z = _mm256_add_ps(z, e);                                                                          \
-        }                                                                                                     \
-        inv[j] = 1.0f / hsum8(z);                                                                             \
-    }                                                                                                         \
+    softmax_rows(sc, nh, lpad, mx, inv);                                                                      \
     const int D = ND * 8;                                                                                     \
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)D);                                                   \
     for (int b = 0; b < nch; b++) {                                                                           \

@@ -1,4 +1,5 @@
-"""``y = x W^T + b`` for small batches on CPU, with W packed once at load time (AVX2 + FMA, float32).
+"""``y = x W^T + b`` on CPU with W packed once at load time: AVX2 + FMA or, where built, AVX-512 tiles; float32
+or bfloat16 panels with float32 arithmetic, and bfloat16 pair panels for the CPU's bfloat16 dot product.
 
 Why: a decode step multiplies a few rows (M = number of running sequences) by every weight matrix once.
 There the BLAS (MKL in the torch CPU wheel) is far from the memory bound: each call packs the weight into
@@ -91,20 +92,31 @@ static inline __attribute__((always_inline)) void block(const int MR, const int 
     }
 }
 
-#define ROWS(NAME, BF16)                                                                                     \
-static void NAME(int mr, const float* x, int64_t xs, const void* w, int K, float* y, int64_t ys, const float* b, \
-                 int nc, int acc, const char* pf) {                                                           \
+/* One tile of rows against one panel, behind one signature for every kernel: x and y are float32, or bfloat16
+   for the pair kernel; K is the reduction length. */
+typedef void (*tile_fn)(int mr, const void* x, int64_t xs, const void* w, int K, void* y, int64_t ys,
+                        const float* b, int nc, int acc, const char* pf);
+/* the row count is a compile-time constant inside each block (always_inline), hence one case per count */
+#define TILE_CASE(BLOCK, R, ...) case R: BLOCK(R, __VA_ARGS__); break;
+#define TILE_SWITCH6(BLOCK, ...)                                                                              \
     switch (mr) {                                                                                             \
-        case 1: block(1, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
-        case 2: block(2, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
-        case 3: block(3, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
-        case 4: block(4, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
-        case 5: block(5, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                    \
-        default: block(6, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                   \
-    }                                                                                                         \
+        TILE_CASE(BLOCK, 1, __VA_ARGS__) TILE_CASE(BLOCK, 2, __VA_ARGS__) TILE_CASE(BLOCK, 3, __VA_ARGS__)    \
+        TILE_CASE(BLOCK, 4, __VA_ARGS__) TILE_CASE(BLOCK, 5, __VA_ARGS__)                                     \
+        default: BLOCK(6, __VA_ARGS__); break;                                                                \
+    }
+#define TILE_SWITCH12(BLOCK, ...)                                                                             \
+    switch (mr) {                                                                                             \
+        TILE_CASE(BLOCK, 1, __VA_ARGS__) TILE_CASE(BLOCK, 2, __VA_ARGS__) TILE_CASE(BLOCK, 3, __VA_ARGS__)    \
+        TILE_CASE(BLOCK, 4, __VA_ARGS__) TILE_CASE(BLOCK, 5, __VA_ARGS__) TILE_CASE(BLOCK, 6, __VA_ARGS__)    \
+        TILE_CASE(BLOCK, 7, __VA_ARGS__) TILE_CASE(BLOCK, 8, __VA_ARGS__) TILE_CASE(BLOCK, 9, __VA_ARGS__)    \
+        TILE_CASE(BLOCK, 10, __VA_ARGS__) TILE_CASE(BLOCK, 11, __VA_ARGS__)                                   \
+        default: BLOCK(12, __VA_ARGS__); break;                                                               \
+    }
+#define DEFINE_TILE(NAME, SWITCH, BLOCK, BF16, T)                                                            \
+static void NAME(int mr, const void* x, int64_t xs, const void* w, int K, void* y, int64_t ys, const float* b, \
+                 int nc, int acc, const char* pf) {                                                           \
+    SWITCH(BLOCK, BF16, (const T*)x, xs, w, K, (T*)y, ys, b, nc, acc, pf)                                     \
 }
-ROWS(rows_f32, 0)
-ROWS(rows_bf16, 1)
 
 #if defined(__AVX512F__)
 /* The AVX-512 form of block(): one 16-column panel row is one zmm register, so a tile holds up to 12 rows in
@@ -135,45 +147,79 @@ static inline __attribute__((always_inline)) void block512(const int MR, const i
         _mm512_mask_storeu_ps(y + r * ys, m, v);
     }
 }
-#define ROWS512(NAME, BF16)                                                                                  \
-static void NAME(int mr, const float* x, int64_t xs, const void* w, int K, float* y, int64_t ys, const float* b, \
-                 int nc, int acc, const char* pf) {                                                           \
-    switch (mr) {                                                                                             \
-        case 1: block512(1, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 2: block512(2, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 3: block512(3, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 4: block512(4, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 5: block512(5, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 6: block512(6, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 7: block512(7, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 8: block512(8, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 9: block512(9, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                                 \
-        case 10: block512(10, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                               \
-        case 11: block512(11, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                               \
-        default: block512(12, BF16, x, xs, w, K, y, ys, b, nc, acc, pf); break;                               \
-    }                                                                                                         \
-}
-ROWS512(rows512_f32, 0)
-ROWS512(rows512_bf16, 1)
-#define ROWS_F32 rows512_f32
-#define ROWS_BF16 rows512_bf16
+DEFINE_TILE(tile512_f32, TILE_SWITCH12, block512, 0, float)
+DEFINE_TILE(tile512_bf16, TILE_SWITCH12, block512, 1, float)
+#define TILE_F32 tile512_f32
+#define TILE_BF16 tile512_bf16
 #else
 #define TILE_ROWS 6
-#define ROWS_F32 rows_f32
-#define ROWS_BF16 rows_bf16
+DEFINE_TILE(tile_f32, TILE_SWITCH6, block, 0, float)
+DEFINE_TILE(tile_bf16, TILE_SWITCH6, block, 1, float)
+#define TILE_F32 tile_f32
+#define TILE_BF16 tile_bf16
 #endif
 
 int has_avx512(void) { return TILE_ROWS == 12; }
+
+/* y[M, N] (row stride ys) = or += x[M, K] (row stride xs) . W^T + b, W packed as [ceil(N/16), K, 16] panels of
+   w_bytes per element, one tile of at most tile_rows rows at a time. Large M runs in row blocks whose x rows
+   (about X_BLOCK_BYTES) stay in L2 while every panel of the thread's share passes over them; without blocks,
+   each panel re-read all M rows of x from L3 (for a 2048 x 576 prefill chunk, 4.7 MB per 16 output columns).
+   The first tile of each panel prefetches the next panel. */
+static void gemm_any(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int w_bytes, const void* x, int64_t xs,
+                     const void* wp, const float* b, void* y, int64_t ys, int M, int N, int K, int accumulate) {
+    if (M <= 0 || N <= 0 || K <= 0) return;
+    const int np = (N + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = (int64_t)K * PANEL * w_bytes;
+    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * x_bytes)) / tile_rows * tile_rows;
+    if (mb < 4 * tile_rows) mb = 4 * tile_rows;
+    if (M <= 2 * mb) mb = M;
+    #pragma omp parallel
+    for (int r0 = 0; r0 < M; r0 += mb) {
+        const int rows = M - r0 < mb ? M - r0 : mb;
+        const int tiles = (rows + tile_rows - 1) / tile_rows; /* near-equal tiles: 8 -> 4 + 4 with AVX2's 6 */
+        /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < np; p++) {
+            const char* w = (const char*)wp + (int64_t)p * panel_bytes;
+            const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+            int m0 = r0;
+            for (int t = 0; t < tiles; t++) {
+                const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
+                const char* next = (t == 0 && p + 1 < np) ? w + panel_bytes : 0;
+                tile(mr, (const char*)x + (int64_t)m0 * xs * x_bytes, xs, w, K,
+                     (char*)y + ((int64_t)m0 * ys + n0) * y_bytes, ys, b ? b + n0 : 0, nc, accumulate, next);
+                m0 += mr;
+            }
+        }
+    }
+}
+
+/* float32 panels (gemm) or bfloat16 ones widened as they are loaded (gemm_bf16); x, y, b and the sums float32 */
+int gemm(const float* x, int64_t xs, const float* wp, const float* b, float* y, int64_t ys, int M, int N, int K,
+         int accumulate) {
+    gemm_any(TILE_F32, TILE_ROWS, 4, 4, 4, x, xs, wp, b, y, ys, M, N, K, accumulate);
+    return 0;
+}
+
+int gemm_bf16(const float* x, int64_t xs, const uint16_t* wp, const float* b, float* y, int64_t ys, int M, int N,
+              int K, int accumulate) {
+    gemm_any(TILE_BF16, TILE_ROWS, 4, 4, 2, x, xs, wp, b, y, ys, M, N, K, accumulate);
+    return 0;
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* bfloat16 x bfloat16 -> float32 sums with vdpbf16ps (AVX512-BF16): twice the multiply-adds per instruction of a
    float32 FMA. The weight is packed in k pairs, [ceil(N/16), K/2, 16, 2] (one zmm per pair row: column i's
    W[i][2kp], W[i][2kp+1] adjacent), x is bfloat16 with rows of even length K, and each (x[2kp], x[2kp+1]) pair
    is broadcast as one 32-bit lane. y is bfloat16 (rounded to nearest even), written or accumulated. */
-static inline __attribute__((always_inline)) void blockdp(const int MR, const uint16_t* x, int64_t xs,
-                                                          const uint16_t* w, int K2, uint16_t* y, int64_t ys,
-                                                          const float* b, int nc, int accumulate,
+static inline __attribute__((always_inline)) void blockdp(const int MR, const int BF16, const uint16_t* x,
+                                                          int64_t xs, const void* wv, int K, uint16_t* y,
+                                                          int64_t ys, const float* b, int nc, int accumulate,
                                                           const char* prefetch) {
+    (void)BF16;
+    const uint16_t* w = (const uint16_t*)wv;
+    const int K2 = K / 2;
     __m512 c[12];
     _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[r] = _mm512_setzero_ps();
     for (int kp = 0; kp < K2; kp++) {
@@ -196,51 +242,13 @@ static inline __attribute__((always_inline)) void blockdp(const int MR, const ui
         _mm256_mask_storeu_epi16(yr, m, (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
-static void rowsdp(int mr, const uint16_t* x, int64_t xs, const uint16_t* w, int K2, uint16_t* y, int64_t ys,
-                   const float* b, int nc, int acc, const char* pf) {
-    switch (mr) {
-        case 1: blockdp(1, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 2: blockdp(2, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 3: blockdp(3, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 4: blockdp(4, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 5: blockdp(5, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 6: blockdp(6, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 7: blockdp(7, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 8: blockdp(8, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 9: blockdp(9, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 10: blockdp(10, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        case 11: blockdp(11, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-        default: blockdp(12, x, xs, w, K2, y, ys, b, nc, acc, pf); break;
-    }
-}
+DEFINE_TILE(tile_dp, TILE_SWITCH12, blockdp, 0, uint16_t)
 int has_bf16_dot(void) { return 1; }
+/* bfloat16 x, y and pair-packed panels [ceil(N/16), K/2, 16, 2]; K must be even */
 int gemm_bf16_dot(const uint16_t* x, int64_t xs, const uint16_t* wp, const float* b, uint16_t* y, int64_t ys,
                   int M, int N, int K, int accumulate) {
-    if (M <= 0 || N <= 0 || K <= 0) return 0;
     if (K & 1) return 1;
-    const int np = (N + PANEL - 1) / PANEL, K2 = K / 2;
-    const int64_t panel_elems = (int64_t)K * PANEL;
-    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * 2)) / 12 * 12;
-    if (mb < 48) mb = 48;
-    if (M <= 2 * mb) mb = M;
-    #pragma omp parallel
-    for (int r0 = 0; r0 < M; r0 += mb) {
-        const int rows = M - r0 < mb ? M - r0 : mb;
-        const int tiles = (rows + 11) / 12;
-        #pragma omp for schedule(static) nowait
-        for (int p = 0; p < np; p++) {
-            const uint16_t* w = wp + (int64_t)p * panel_elems;
-            const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-            int m0 = r0;
-            for (int t = 0; t < tiles; t++) {
-                const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
-                const char* next = (t == 0 && p + 1 < np) ? (const char*)(w + panel_elems) : 0;
-                rowsdp(mr, x + (int64_t)m0 * xs, xs, w, K2, y + (int64_t)m0 * ys + n0, ys, b ? b + n0 : 0, nc,
-                       accumulate, next);
-                m0 += mr;
-            }
-        }
-    }
+    gemm_any(tile_dp, 12, 2, 2, 2, x, xs, wp, b, y, ys, M, N, K, accumulate);
     return 0;
 }
 #else
@@ -248,52 +256,6 @@ int has_bf16_dot(void) { return 0; }
 int gemm_bf16_dot(void) { return 1; }
 #endif
 
-
-/* y[M, N] (row stride ys) = or += x[M, K] (row stride xs) . W^T + b, W packed as [ceil(N/16), K, 16] of float32
-   (gemm) or bfloat16 (gemm_bf16: widened to float32 as it is loaded; x, y, b and the sums stay float32). */
-/* Rows per block of a large M: the block's x rows (about X_BLOCK_BYTES) stay in L2 while every panel of the
-   thread's share passes over them. Without blocks, each panel re-read all M rows of x from L3: for a prefill
-   chunk of 2048 rows x 576 that is 4.7 MB per 16 output columns. */
-static void gemm_any(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys,
-                     int M, int N, int K, int accumulate) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
-    const int np = (N + PANEL - 1) / PANEL;
-    const int64_t panel_bytes = (int64_t)K * PANEL * (bf16 ? 2 : 4);
-    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * 4)) / TILE_ROWS * TILE_ROWS;
-    if (mb < 4 * TILE_ROWS) mb = 4 * TILE_ROWS;
-    if (M <= 2 * mb) mb = M;
-    #pragma omp parallel
-    for (int r0 = 0; r0 < M; r0 += mb) {
-        const int rows = M - r0 < mb ? M - r0 : mb;
-        const int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS; /* near-equal tiles: 8 -> 4 + 4 with AVX2's 6 */
-        /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
-        #pragma omp for schedule(static) nowait
-        for (int p = 0; p < np; p++) {
-            const char* w = (const char*)wp + (int64_t)p * panel_bytes;
-            const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-            int m0 = r0;
-            for (int t = 0; t < tiles; t++) {
-                const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
-                const char* next = (t == 0 && p + 1 < np) ? w + panel_bytes : 0;
-                (bf16 ? ROWS_BF16 : ROWS_F32)(mr, x + (int64_t)m0 * xs, xs, w, K, y + (int64_t)m0 * ys + n0, ys,
-                                              b ? b + n0 : 0, nc, accumulate, next);
-                m0 += mr;
-            }
-        }
-    }
-}
-
-int gemm(const float* x, int64_t xs, const float* wp, const float* b, float* y, int64_t ys, int M, int N, int K,
-         int accumulate) {
-    gemm_any(0, x, xs, wp, b, y, ys, M, N, K, accumulate);
-    return 0;
-}
-
-int gemm_bf16(const float* x, int64_t xs, const uint16_t* wp, const float* b, float* y, int64_t ys, int M, int N,
-              int K, int accumulate) {
-    gemm_any(1, x, xs, wp, b, y, ys, M, N, K, accumulate);
-    return 0;
-}
 """
 
 @functools.cache
@@ -302,17 +264,17 @@ def _load() -> ctypes.CDLL | None:
     if "avx2" not in flags or "fma" not in flags:
         return None
     lib = native.build("packed_gemm", _SOURCE)
-    if lib is not None:
-        lib.has_avx512.restype = ctypes.c_int
-        lib.has_bf16_dot.restype = ctypes.c_int
-        lib.gemm_bf16_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_int]
-        lib.gemm_bf16_dot.restype = ctypes.c_int
-        for fn in (lib.gemm, lib.gemm_bf16):
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            fn.restype = ctypes.c_int
+    return bind(lib) if lib is not None else None
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the library's C signatures (also for benchmark builds of variants of this source)."""
+    lib.has_avx512.restype = ctypes.c_int
+    lib.has_bf16_dot.restype = ctypes.c_int
+    for fn in (lib.gemm, lib.gemm_bf16, lib.gemm_bf16_dot):  # (x, xs, w, b, y, ys, M, N, K, accumulate)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
     return lib
 
 

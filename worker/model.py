@@ -386,10 +386,9 @@ class CausalLM:
         if tied:
             rows = self.lm_head.rows
             self._embed_rows = (lambda ids: rows(ids).to(dtype)) if narrow else rows
+            del self.embed
         else:
             self._embed_rows = lambda ids, table=self.embed: F.embedding(ids, table)
-        if tied:
-            del self.embed
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5

@@ -217,6 +217,19 @@ def test_bfloat16_runner_close_to_float32(tiny_dirs):
     torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.15, rtol=0.05)
 
 
+def _greedy_logits(runner, prompt, chunks, pool_seed):
+    """Run one greedy request through ``chunks`` (tokens per step); the logits of every step that samples."""
+    r = Request("x", prompt, SamplingParams(temperature=0))
+    BlockPool(runner.num_blocks, seed=pool_seed).give(r, len(prompt) + len(chunks))
+    out = []
+    for n in chunks:
+        lg = runner.compute_logits([(r, n)])[0]
+        if lg is not None:
+            out.append(lg)
+        advance(r, n, int(lg.argmax()) if lg is not None else None)
+    return out
+
+
 @pytest.mark.skipif(not packed_gemm.available(), reason="no AVX2+FMA CPU or no C compiler")
 def test_bfloat16_without_native_matmul_stores_bfloat16_and_computes_float32(tiny_dirs, monkeypatch):
     """On a CPU without native bfloat16 matmul (simulated here where it has one), --dtype bfloat16 keeps every
@@ -242,17 +255,8 @@ def test_bfloat16_without_native_matmul_stores_bfloat16_and_computes_float32(tin
         lin_r.layout, lin_r.forms = "pk", ("pk",) * len(lin_r.forms)
         torch.testing.assert_close(lin_h.w_oi.float(), w, rtol=0, atol=0)
     prompt = prompts_for(half.info.vocab_size, [21], seed=3)[0]
-    got: dict[str, list[torch.Tensor]] = {}
-    for name, runner in (("half", half), ("rounded", rounded)):
-        r = Request("x", prompt, SamplingParams(temperature=0))
-        BlockPool(runner.num_blocks, seed=4).give(r, len(prompt) + 4)
-        out = []
-        for n in (12, 9, 1, 1, 1):  # a prefill in two chunks, then decodes
-            lg = runner.compute_logits([(r, n)])[0]
-            if lg is not None:
-                out.append(lg)
-            advance(r, n, int(lg.argmax()) if lg is not None else None)
-        got[name] = out
+    got = {name: _greedy_logits(runner, prompt, (12, 9, 1, 1, 1), pool_seed=4)  # 2 prefill chunks, 3 decodes
+           for name, runner in (("half", half), ("rounded", rounded))}
     assert len(got["half"]) == 4
     for a, b in zip(got["half"], got["rounded"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -269,17 +273,9 @@ def test_bfloat16_kv_cache_with_float32_model(tiny_dirs):
     assert half.kv_caches[0][0].dtype == torch.bfloat16 and full.kv_caches[0][0].dtype == torch.float32
     assert half.model.dtype == torch.float32
     prompt = prompts_for(half.info.vocab_size, [13], seed=7)[0]
-    got: dict[str, list[torch.Tensor]] = {}
-    for name, runner in (("full", full), ("half", half)):
-        r = Request("x", prompt, SamplingParams(temperature=0))
-        BlockPool(runner.num_blocks, seed=2).give(r, len(prompt) + 5)
-        out = []
-        for n in (8, 5, 1, 1, 1, 1):  # a prefill in two chunks (the first samples nothing), then decodes
-            lg = runner.compute_logits([(r, n)])[0]
-            if lg is not None:
-                out.append(lg)
-            advance(r, n, int(lg.argmax()) if lg is not None else None)
-        got[name] = out
+    # a prefill in two chunks (the first samples nothing), then decodes
+    got = {name: _greedy_logits(runner, prompt, (8, 5, 1, 1, 1, 1), pool_seed=2)
+           for name, runner in (("full", full), ("half", half))}
     assert len(got["full"]) == 5
     for step, (a, b) in enumerate(zip(got["full"], got["half"], strict=True)):
         assert b.dtype == torch.float32

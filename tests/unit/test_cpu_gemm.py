@@ -133,3 +133,25 @@ def test_packed_kernel_takes_strided_rows_and_a_strided_output():
     col_major = torch.randn(16, 5, generator=g).t()  # stride(-1) != 1: copied first
     torch.testing.assert_close(packed_gemm.matmul(col_major, packed_gemm.pack(w), 24), F.linear(col_major, w),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not packed_gemm.available() or not packed_gemm._load().has_avx512(),
+                    reason="only an AVX-512 build has a second path to compare")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_build_of_the_source_matches_f_linear(dtype):
+    """On an AVX-512 machine the AVX2 tiles (1-6 rows) are otherwise untested: build the source without its
+    AVX-512 block and check it too."""
+    from kernels import native
+
+    lib = packed_gemm.bind(native.build("packed_gemm_avx2_test",
+                                        packed_gemm._SOURCE.replace("#if defined(__AVX512F__)", "#if 0", 1)))
+    assert not lib.has_avx512()
+    fn = lib.gemm if dtype == torch.float32 else lib.gemm_bf16
+    g = torch.Generator().manual_seed(11)
+    for m, n, k in [(1, 16, 8), (5, 33, 64), (6, 48, 1), (13, 100, 29), (131, 50, 70)]:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(m, k, generator=g)
+        b = torch.randn(n, generator=g)
+        y, packed = torch.empty(m, n), packed_gemm.pack(w)  # (held: the kernel reads it through a pointer)
+        fn(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, n, k, 0)
+        torch.testing.assert_close(y, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
