@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Text, cast, func, select, text, update
+from sqlalchemy import Text, case, cast, func, select, text, update
 from sqlalchemy import event as sa_event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import IntegrityError
@@ -959,6 +959,33 @@ def heartbeat(session: Session, worker: str, job_ids: Sequence[str]) -> dict[str
         .returning(Job.id, Job.attempts, Job.cancel_requested)
         .execution_options(synchronize_session=False)).all()
     return {r[0]: (int(r[1]), bool(r[2])) for r in rows}
+
+
+def owned_by(attempt: int, worker: str) -> tuple[Any, Any]:
+    """The fence of a worker's own attempt, for ``transition(where=...)``: the update applies only while
+    no other worker has taken the job over."""
+    return (Job.attempts == attempt, Job.worker == worker)
+
+
+def status_of(session: Session, job_id: str) -> str | None:
+    """The job's status, or None when there is no such job."""
+    return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def owner_of(session: Session, job_id: str) -> tuple[str, str | None, int] | None:
+    """``(status, worker, attempts)`` of a job, or None: tells a worker whether a result it could not
+    confirm was written by it (a lost commit acknowledgement) or the job is no longer its own."""
+    row = session.execute(select(Job.status, Job.worker, Job.attempts).where(Job.id == job_id)).first()
+    return None if row is None else (row[0], row[1], int(row[2]))
+
+
+def record_first_tokens(session: Session, first_token_at: dict[str, dt.datetime]) -> None:
+    """Set ``first_token_at`` of many jobs in one statement, where it is not set yet. Does not commit."""
+    if not first_token_at:
+        return
+    session.execute(update(Job).where(Job.id.in_(list(first_token_at)), Job.first_token_at.is_(None))
+                    .values(first_token_at=case(first_token_at, value=Job.id))
+                    .execution_options(synchronize_session=False))
 
 
 @dataclass

@@ -35,7 +35,6 @@ from typing import Any
 
 import redis as redis_lib
 import structlog
-from sqlalchemy import case, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
@@ -48,7 +47,7 @@ from inferq.contract import (
     model_id,
     stream_key,
 )
-from inferq.db import Job, make_engine, make_sessionmaker, utcnow
+from inferq.db import make_engine, make_sessionmaker, utcnow
 from inferq.log import configure_logging, get_logger
 from inferq.settings import Settings, load_settings
 from scheduler.request import FinishReason, Request, SamplingParams, Tier
@@ -540,7 +539,7 @@ class Worker:
                     got = jobs.claim(s, job_id, self.name, self.claim_stale_seconds)
                     if got is not None:
                         started.append((m, got[0], got[1]))
-                    elif s.scalar(select(Job.status).where(Job.id == job_id)) in ("running", "queued"):
+                    elif jobs.status_of(s, job_id) in ("running", "queued"):
                         busy.append(m)
                     else:
                         gone.append(m)
@@ -678,9 +677,7 @@ class Worker:
                 return
             ts = {inf.job_id: dt.datetime.fromtimestamp(inf.first_token_wall, dt.timezone.utc) for inf in batch}
             with self.sf() as s:
-                s.execute(update(Job).where(Job.id.in_(list(ts)), Job.first_token_at.is_(None))
-                          .values(first_token_at=case(ts, value=Job.id))
-                          .execution_options(synchronize_session=False))
+                jobs.record_first_tokens(s, ts)
                 s.commit()
 
         self._db(write)
@@ -720,9 +717,9 @@ class Worker:
                 self._after_finalize(done)
 
     def _job_row(self, s: Any, f: Final) -> tuple[str, str | None, int] | None:
-        row = s.execute(select(Job.status, Job.worker, Job.attempts).where(Job.id == f.inf.job_id)).first()
+        row = jobs.owner_of(s, f.inf.job_id)
         s.rollback()
-        return None if row is None else (row[0], row[1], row[2])
+        return row
 
     def _written_already(self, s: Any, f: Final) -> bool:
         """A commit whose acknowledgement was lost in an outage: the row already says what we meant."""
@@ -747,7 +744,7 @@ class Worker:
         f.outcome = jobs.Outcome(status="failed", finish_reason="error", error=reason, prompt_tokens=o.prompt_tokens,
                                  cached_prompt_tokens=o.cached_prompt_tokens, completion_tokens=o.completion_tokens,
                                  compute_seconds=o.compute_seconds, first_token_at=o.first_token_at)
-        fence = (Job.attempts == f.inf.attempt, Job.worker == self.name)
+        fence = jobs.owned_by(f.inf.attempt, self.name)
         try:
             ok = jobs.finish(s, f.inf.job_id, f.outcome, from_statuses=("running",),
                              attempt=f.inf.attempt, worker=self.name)
@@ -826,7 +823,7 @@ class Worker:
             with self.sf() as s:
                 for inf in infs:
                     if jobs.transition(s, inf.job_id, ("running",), "queued",
-                                       where=[Job.attempts == inf.attempt, Job.worker == self.name],
+                                       where=jobs.owned_by(inf.attempt, self.name),
                                        worker=None, queued_at=utcnow()):
                         returned.append(inf)
                 s.commit()
