@@ -10,6 +10,7 @@ COPY scheduler scheduler
 COPY kernels kernels
 COPY migrations migrations
 COPY bench bench
+COPY deploy deploy
 # CPU torch from the PyTorch CPU index; on GPU hosts swap in the CUDA build and add the [gpu] extra.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
  && pip install . \

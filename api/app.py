@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import redis
@@ -118,13 +119,33 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
     settings = settings or get_settings()
     configure_logging(settings.log_level, settings.log_json)
     state = AppState(settings, auth_cache_seconds=auth_cache_seconds)
+    app = FastAPI(
+        title="inferq",
+        version="1.0.0",
+        summary="Redis-queue-driven asynchronous LLM inference.",
+        description=DESCRIPTION,
+        openapi_tags=TAGS,
+        lifespan=_lifespan(state, webhooks=webhooks),
+        debug=settings.debug,
+    )
+    app.state.inferq = state
+    install_handlers(app)
+    app.add_middleware(metrics.MetricsMiddleware)
+    _include_routers(app)
+    _install_openapi(app)
+    _add_ops_routes(app, state)
+    return app
+
+
+def _lifespan(state: AppState, *, webhooks: bool) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start the webhook dispatcher (when ``webhooks``) with the app; close the clients and pools after it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if webhooks:
             from api.webhooks import WebhookDispatcher
 
-            state.dispatcher = WebhookDispatcher(settings, state.session_factory)
+            state.dispatcher = WebhookDispatcher(state.settings, state.session_factory)
             state.dispatcher.start()
         try:
             yield
@@ -132,24 +153,19 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
             await state.aclose()
             await run_in_threadpool(state.close)
 
-    app = FastAPI(
-        title="inferq",
-        version="1.0.0",
-        summary="Redis-queue-driven asynchronous LLM inference.",
-        description=DESCRIPTION,
-        openapi_tags=TAGS,
-        lifespan=lifespan,
-        debug=settings.debug,
-    )
-    app.state.inferq = state
-    install_handlers(app)
-    app.add_middleware(metrics.MetricsMiddleware)
+    return lifespan
 
+
+def _include_routers(app: FastAPI) -> None:
     from api.routes_jobs import router as jobs_router
     from api.routes_usage import router as usage_router
 
     app.include_router(jobs_router)
     app.include_router(usage_router)
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """The OpenAPI document, built once on first request, refined by ``_refine_openapi``."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -160,6 +176,10 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+
+def _add_ops_routes(app: FastAPI, state: AppState) -> None:
+    """``/healthz``, ``/readyz`` and ``/metrics``."""
+
     @app.get("/healthz", tags=["ops"], response_model=Health, summary="Liveness: the process is up.")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -167,18 +187,7 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
     @app.get("/readyz", tags=["ops"], response_model=Readiness, summary="Readiness: database and Redis reachable.",
              responses={503: {"model": Readiness, "description": "A dependency is unreachable; `checks` says why."}})
     def readyz() -> JSONResponse:
-        checks = {"database": "ok", "redis": "ok"}
-        try:
-            with state.engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
-        except Exception as exc:
-            checks["database"] = f"unreachable: {first_line(exc)}"
-        try:
-            state.redis.ping()
-        except Exception as exc:
-            checks["redis"] = f"unreachable: {first_line(exc)}"
-        ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503)
+        return _readiness(state)
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics.",
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -187,7 +196,20 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    return app
+
+def _readiness(state: AppState) -> JSONResponse:
+    checks = {"database": "ok", "redis": "ok"}
+    try:
+        with state.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        checks["database"] = f"unreachable: {first_line(exc)}"
+    try:
+        state.redis.ping()
+    except Exception as exc:
+        checks["redis"] = f"unreachable: {first_line(exc)}"
+    ok = all(v == "ok" for v in checks.values())
+    return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503)
 
 
 def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""CLI commands of the API area, registered by ``inferq/cli.py``: ``inferq api``, ``inferq tenants create|show``,
+"""CLI commands of the API area, registered by ``deploy/cli.py``: ``inferq api``, ``inferq tenants create|show``,
 ``inferq keys create|revoke``, ``inferq report``, ``inferq celery-worker``, ``inferq webhooks``.
 Plain functions with typer defaults; nothing here imports torch."""
 
@@ -9,14 +9,11 @@ from typing import Any
 
 import typer
 
+from inferq.errors import CLIError
+
 
 def _error(message: str) -> Exception:
-    try:
-        from inferq.cli import CLIError
-
-        return CLIError(message)
-    except ImportError:  # pragma: no cover
-        return typer.BadParameter(message)
+    return CLIError(message)
 
 
 def _settings() -> Any:

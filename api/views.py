@@ -67,14 +67,6 @@ def job_view(job: Job, result: Result | None = None, ledger: UsageEntry | None =
     }
 
 
-def load_job(session: Session, job_id: str, tenant_id: str | None = None) -> Job | None:
-    """The job, or None when unknown or (with ``tenant_id``) owned by another tenant."""
-    job = session.get(Job, job_id)
-    if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
-        return None
-    return job
-
-
 def full_view(session: Session, job: Job) -> dict[str, Any]:
     result = session.get(Result, job.id)
     ledger = session.scalar(select(UsageEntry).where(UsageEntry.job_id == job.id))

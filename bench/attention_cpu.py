@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_attention, reference
-from kernels.backend import AttentionMetadata, _decode_plan, torch_decode_attention
+from kernels.attention_api import AttentionMetadata
+from kernels.backend import _decode_plan, torch_decode_attention
 
 CASES = [(16, 256), (32, 256), (32, 1024), (64, 768), (64, 128), (8, 1024), (1, 512)]
 

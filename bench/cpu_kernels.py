@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, hugepages, native, packed_gemm, reference
+from kernels import cpu_attention, hugepages, packed_gemm, reference
 
 LAYERS = 30
 SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]  # gate_up, down, qkv, o: (out, in)
@@ -28,9 +28,8 @@ LM_HEAD = (49152, 576)
 def gemm(ms: list[int], repeats: int = 4) -> None:
     """GFLOP/s over a 30-layer set of the model's projections (+ the LM head for M <= 64)."""
     impls = {"F.linear": None, "packed": packed_gemm._load()}
-    if packed_gemm._load().has_avx512():  # the same source built without its AVX-512 block
-        source = packed_gemm._SOURCE.replace("#if defined(__AVX512F__)", "#if 0", 1)
-        impls["packed AVX2"] = packed_gemm.bind(native.build("packed_gemm_avx2", source))
+    if packed_gemm._load().has_avx512():  # the same source built without its AVX-512 code
+        impls["packed AVX2"] = packed_gemm.build({"INFERQ_NO_AVX512": 1})
     weights = {(n, k): [torch.randn(n, k) for _ in range(1 if (n, k) == LM_HEAD else LAYERS)]
                for n, k in [*SHAPES, LM_HEAD]}
     packed = {s: [packed_gemm.pack(w) for w in ws] for s, ws in weights.items()}

@@ -276,14 +276,15 @@ class Bench:
         try:
             import numpy as np
 
-            from kernels.backend import AttentionMetadata, TorchBackend
+            from kernels.attention_api import AttentionMetadata
+            from kernels.backend import CPUBackend
 
             S = q.shape[0]
             meta = AttentionMetadata.build(
                 slot_mapping=np.zeros(S, np.int64), block_tables=bt.cpu().numpy(), seq_lens=np.array(seq_lens),
                 query_start_loc=np.arange(S + 1), block_size=self.args.block_size, device=self.dev,
             )
-            be = TorchBackend()
+            be = CPUBackend(native=False)  # the portable torch path (what runs on CUDA without Triton)
             return self.bench_ms(functools.partial(be.forward, q, None, None, kc, vc, meta, scale))
         except Exception as exc:  # noqa: BLE001 - baseline only
             print(f"  (torch baseline failed: {exc})")

@@ -261,19 +261,19 @@ def step_bench(runner, repeats: int = 5, log=print) -> dict:
     of the query (the difference is attention's share), interleaved, best of ``repeats``."""
     from kernels import backend
 
-    real = backend.TorchBackend.forward
+    real = backend.CPUBackend.forward
 
     def with_attention() -> None:
-        backend.TorchBackend.forward = real
+        backend.CPUBackend.forward = real
 
     def without_attention() -> None:
-        backend.TorchBackend.forward = lambda self, query, *a, **k: query.clone()
+        backend.CPUBackend.forward = lambda self, query, *a, **k: query.clone()
 
     try:
         return forward_bench(runner, {"full step": with_attention, "no attention": without_attention},
                              default_cases(runner), repeats=repeats, log=log)
     finally:
-        backend.TorchBackend.forward = real
+        backend.CPUBackend.forward = real
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -114,7 +114,7 @@ class Stack:
                     "INFERQ_SHUTDOWN_GRACE_SECONDS": "5", "PYTHONUNBUFFERED": "1"})
         env.update({f"INFERQ_{k.upper()}": str(v) for k, v in self.extra.items()})
         env.pop("INFERQ_CONFIG", None)
-        api_cmd = [sys.executable, "-m", "inferq.cli", "api", "--host", "127.0.0.1", "--port", str(self.port)]
+        api_cmd = [sys.executable, "-m", "deploy.cli", "api", "--host", "127.0.0.1", "--port", str(self.port)]
         if self.api_workers > 1:
             api_cmd += ["--workers", str(self.api_workers)]
         self._spawn("api", api_cmd, env)
@@ -221,7 +221,7 @@ def _worker_cmd() -> list[str]:
     import importlib.util
 
     if importlib.util.find_spec("worker.service_cli") is not None:
-        return [sys.executable, "-m", "inferq.cli", "worker"]
+        return [sys.executable, "-m", "deploy.cli", "worker"]
     return [sys.executable, "-m", "worker.service"]
 
 

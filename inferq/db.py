@@ -31,6 +31,24 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def as_aware(t: dt.datetime | None) -> dt.datetime | None:
+    """A timestamp read back from the database as an aware UTC datetime (SQLite hands back naive UTC)."""
+    if t is not None and t.tzinfo is None:
+        return t.replace(tzinfo=dt.timezone.utc)
+    return t
+
+
+def to_utc(t: dt.datetime | None) -> dt.datetime | None:
+    """An aware timestamp (e.g. PostgreSQL's, in the session's time zone) converted to UTC."""
+    return t.astimezone(dt.timezone.utc) if t is not None else None
+
+
+def unix_time(t: dt.datetime | None) -> float | None:
+    """Unix seconds of a database timestamp (naive means UTC), or None."""
+    t = as_aware(t)
+    return t.timestamp() if t is not None else None
+
+
 def new_id() -> str:
     return str(uuid.uuid4())
 
@@ -39,7 +57,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, dt.datetime: DateTime(timezone=True)}
 
 
-# Legal job status transitions; enforced by conditional UPDATEs (see inferq/jobs.py) so two workers
+# Legal job status transitions; enforced by conditional UPDATEs (see inferq/jobs/lifecycle.py) so two workers
 # can never both finish a job. "running -> queued" is a hand-back (shutdown, reclaimed message).
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "expired"})

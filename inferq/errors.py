@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class CLIError(Exception):
+    """A user-facing command error: printed as one line, exit status 1 (no traceback)."""
+
+
 class ModelError(Exception):
     """The model cannot be found, read or served (message names the path and the fix)."""
 

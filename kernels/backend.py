@@ -1,135 +1,43 @@
-"""Attention backends: the metadata one engine step shares across layers, and the torch implementation.
+"""The CPU attention backend and ``get_backend``, which picks a backend for a device.
 
-The model calls, per layer, ``backend.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)`` then
-``backend.forward(query, key, value, k_cache, v_cache, meta)`` (key/value are this step's fresh ``[T, Hkv, D]``
-tensors, already in the cache). ``get_backend`` picks Triton on CUDA when it imports, else torch.
+``CPUBackend`` runs the C kernels of ``kernels.cpu_attention`` (decode and prefill attention reading the
+paged cache in place) where they are available, and a portable torch path (gather + SDPA) elsewhere:
+non-CPU tensors, unsupported shapes or dtypes, no C compiler, or ``CPUBackend(native=False)`` (the
+``"torch"`` backend), which never calls the C kernels. The interface (``AttentionMetadata``,
+``AttentionBackend``) is in ``kernels.attention_api``; ``get_backend`` picks Triton on CUDA when it imports.
 
-CPU fast path (TorchBackend): the runner orders each batch as decodes (q_len 1) first, then prefill
-chunks. Once per step (not per layer) we build the decodes' block index ``[S_dec * nblk]`` and an additive
-length mask; each layer then gathers all decode K/V with one block-granular ``index_select`` (whole
-``block_size*Hkv*D`` rows, cheaper than per-slot gathers) and runs one batched SDPA in which the g query heads
-of a kv head are folded into the query-length axis (``q [S, Hkv, g, D]``), so GQA needs no expanded kv heads.
-Prefill chunks with no earlier context attend over the fresh K/V with SDPA(is_causal) (no gather); chunks with
-context gather their context from the cache and use a causal-offset mask (one SDPA per sequence).
+Torch path: the runner orders each batch as decodes (q_len 1) first, then prefill chunks. Once per step (not
+per layer) we build the decodes' block index ``[S_dec * nblk]`` and an additive length mask; each layer then
+gathers all decode K/V with one block-granular ``index_select`` (whole ``block_size*Hkv*D`` rows, cheaper
+than per-slot gathers) and runs one batched SDPA in which the g query heads of a kv head are folded into the
+query-length axis (``q [S, Hkv, g, D]``), so GQA needs no expanded kv heads. Prefill chunks with no earlier
+context attend over the fresh K/V with SDPA(is_causal) (no gather); chunks with context gather their context
+from the cache and use a causal-offset mask (one SDPA per sequence).
 
-Decode micro-benchmark, ``python -m kernels.backend float32 1`` (SmolLM2 shapes Hq=9, Hkv=3, D=64, block 16,
-ragged lengths in [L/2, L], float32, 1 thread, best of 15, ms per layer call). Measured on the shared 2-core
-box under heavy load from other jobs (load average ~10), so absolute numbers are inflated; the ranking was
-the same in every run:
-                                        S=32,L=256  S=32,L=1024  S=8,L=1024  S=64,L=128  S=1,L=512
-  per-request gather + SDPA loop (reference)  10.4       37.0        3.02       16.4       0.17
-  block gather alone                           1.43      20.3        1.18        1.34      0.03
-  gather + SDPA(mask, enable_gqa=True)         5.80      39.3        2.82        3.57      0.10
-  gather + SDPA(mask, repeat_interleave kv)   32.0      279          25.0       14.8       0.33
-  gather + grouped matmul + softmax           13.7       75.2        7.22       14.0       0.11
-  gather + SDPA, heads folded (chosen)         3.21      30.4        2.14        3.01      0.08
+Why these variants: the decode micro-benchmark (``bench/attention_cpu.py``) is recorded in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_attention, reference
+from kernels.attention_api import AttentionBackend, AttentionMetadata
 
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BACKEND_NAMES",
+    "CPUBackend",
+    "decode_attention",
+    "get_backend",
+    "torch_decode_attention",
+    "torch_prefill_attention",
+]
 
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs about one step's flattened batch (shared by all layers).
-
-    Device tensors follow docs/INTERFACES.md; the ``*_host`` fields are the same numbers as Python/numpy
-    values so backends can plan without device syncs. ``num_decodes`` counts the leading sequences with
-    q_len 1 (the runner puts decodes first); ``cache`` holds per-step state a backend derives lazily
-    (e.g. the CPU decode gather index), built on the first layer and reused by the others.
-    """
-
-    slot_mapping: torch.Tensor  # int64 [T]
-    block_tables: torch.Tensor  # int32 [S, max_blocks]
-    seq_lens: torch.Tensor  # int32 [S]
-    query_start_loc: torch.Tensor  # int32 [S+1]
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
-    scale: float | None = None  # softmax scale; None means head_dim ** -0.5
-    num_decodes: int = 0  # leading sequences with q_len == 1
-    num_decode_tokens: int = 0
-    seq_lens_host: np.ndarray | None = None
-    query_lens_host: np.ndarray | None = None
-    query_start_loc_host: np.ndarray | None = None
-    block_tables_host: np.ndarray | None = None
-    cache: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        slot_mapping: np.ndarray,
-        block_tables: np.ndarray,
-        seq_lens: np.ndarray,
-        query_start_loc: np.ndarray,
-        block_size: int,
-        device: torch.device | str,
-        scale: float | None = None,
-    ) -> AttentionMetadata:
-        """Metadata from host arrays (one host→device copy per array)."""
-        seq_lens = np.asarray(seq_lens, dtype=np.int32)
-        qsl = np.asarray(query_start_loc, dtype=np.int32)
-        qlens = np.diff(qsl)
-        not_decode = np.flatnonzero(qlens != 1)
-        num_decodes = int(not_decode[0]) if not_decode.size else int(qlens.shape[0])
-        dev = torch.device(device)
-        return cls(
-            slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            max_query_len=int(qlens.max()) if qlens.size else 0,
-            max_seq_len=int(seq_lens.max()) if seq_lens.size else 0,
-            block_size=block_size,
-            scale=scale,
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            seq_lens_host=seq_lens,
-            query_lens_host=qlens,
-            query_start_loc_host=qsl,
-            block_tables_host=np.asarray(block_tables),
-        )
-
-
-@runtime_checkable
-class AttentionBackend(Protocol):
-    name: str
-
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
+BACKEND_NAMES = ("cpu", "torch", "triton")
 
 
 def _decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -211,13 +119,69 @@ def decode_attention(
     return torch_decode_attention(query, k_cache, v_cache, meta, scale)
 
 
-class TorchBackend:
-    """Torch attention (CPU fast path, also correct on CUDA)."""
+def _native_prefill_plan(query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
+    """The C prefill kernel's per-step arguments for the prefill chunks after the decodes (first token, chunk
+    starts, context lengths, block tables), or False where the kernel does not handle these tensors; built
+    once per step and shared by the layers."""
+    plan_key = ("cpu_prefill", query.dtype, k_cache.dtype)
+    plan = meta.cache.get(plan_key)
+    if plan is None:
+        nd, num_seqs = meta.num_decodes, meta.num_seqs
+        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        plan = meta.cache[plan_key] = False if not cpu_attention.supports_prefill(query, k_cache) else (
+            int(qsl[nd]), torch.from_numpy(qsl[nd:].astype(np.int32) - int(qsl[nd])),
+            torch.from_numpy((lens[nd:num_seqs] - np.diff(qsl[nd:])).astype(np.int32)),
+            meta.block_tables[nd:num_seqs].contiguous())
+    return plan
 
-    name = "torch"
 
-    def __init__(self) -> None:
+def torch_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The prefill chunks after the leading decodes, one SDPA per sequence, into ``out``: a chunk with no
+    earlier context attends over the fresh key/value, one with context gathers it from the cache."""
+    num_blocks, bs, hkv, d = k_cache.shape
+    qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+    k_flat = v_flat = None
+    for s in range(meta.num_decodes, meta.num_seqs):
+        q0, q1 = int(qsl[s]), int(qsl[s + 1])
+        if q1 == q0:
+            continue
+        kv_len = int(lens[s])
+        if kv_len == q1 - q0:  # no earlier context: the fresh keys/values are the whole sequence
+            k, v = key[q0:q1], value[q0:q1]
+        else:
+            if k_flat is None:
+                k_flat = k_cache.view(num_blocks * bs, hkv, d)
+                v_flat = v_cache.view(num_blocks * bs, hkv, d)
+            slots = reference.block_slots(meta.block_tables[s], kv_len, bs)
+            k = k_flat.index_select(0, slots).to(query.dtype)
+            v = v_flat.index_select(0, slots).to(query.dtype)
+        out[q0:q1] = reference.attend_one(query[q0:q1], k, v, scale)
+    return out
+
+
+class CPUBackend:
+    """Paged attention on CPU: the C kernels where available, the torch path otherwise (also correct on CUDA).
+
+    ``native=False`` never calls the C kernels, so the portable torch path (batched gather + SDPA decode,
+    per-sequence SDPA prefill) runs even where they are available; its ``name`` is then ``"torch"`` (what
+    ``get_backend(device, "torch")`` returns), else ``"cpu"``."""
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = bool(native)
+        self.name = "cpu" if self.native else "torch"
         self._slots: torch.Tensor | None = None  # the last slot mapping seen, checked for padding once per step
+
+    def __repr__(self) -> str:
+        return f"CPUBackend(native={self.native})"
 
     def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if slot_mapping is not self._slots:  # a new step: one check for negative (padding) slots
@@ -230,6 +194,11 @@ class TorchBackend:
         num_blocks, block_size, hkv, d = k_cache.shape
         k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, key)
         v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, value)
+
+    def _decode(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native:
+            return decode_attention(query, k_cache, v_cache, meta, scale)
+        return torch_decode_attention(query, k_cache, v_cache, meta, scale)
 
     def forward(
         self,
@@ -248,64 +217,41 @@ class TorchBackend:
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
             )
         nd = meta.num_decodes
-        num_seqs = meta.num_seqs
-        if nd == num_seqs:
-            return decode_attention(query, k_cache, v_cache, meta, scale)
+        if nd == meta.num_seqs:
+            return self._decode(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta, scale)
-        num_blocks, bs, hkv, d = k_cache.shape
-        qsl = meta.query_start_loc_host
-        lens = meta.seq_lens_host
-        plan_key = ("cpu_prefill", query.dtype, k_cache.dtype)
-        plan = meta.cache.get(plan_key)
-        if plan is None:  # once per step, shared by the layers
-            plan = meta.cache[plan_key] = False if not cpu_attention.supports_prefill(query, k_cache) else (
-                int(qsl[nd]), torch.from_numpy(qsl[nd:].astype(np.int32) - int(qsl[nd])),
-                torch.from_numpy((lens[nd:num_seqs] - np.diff(qsl[nd:])).astype(np.int32)),
-                meta.block_tables[nd:num_seqs].contiguous())
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
+        plan = _native_prefill_plan(query, k_cache, meta) if self.native else False
         if plan:  # every prefill chunk in one call, keys and values read from the cache
             p0, starts, ctx, tables = plan
             out[p0:] = cpu_attention.prefill_attention(query[p0:], k_cache, v_cache, tables, starts, ctx, scale)
             return out
-        k_flat = v_flat = None
-        for s in range(nd, num_seqs):
-            q0, q1 = int(qsl[s]), int(qsl[s + 1])
-            if q1 == q0:
-                continue
-            kv_len = int(lens[s])
-            if kv_len == q1 - q0:  # no earlier context: the fresh keys/values are the whole sequence
-                k, v = key[q0:q1], value[q0:q1]
-            else:
-                if k_flat is None:
-                    k_flat = k_cache.view(num_blocks * bs, hkv, d)
-                    v_flat = v_cache.view(num_blocks * bs, hkv, d)
-                slots = reference.block_slots(meta.block_tables[s], kv_len, bs)
-                k = k_flat.index_select(0, slots).to(query.dtype)
-                v = v_flat.index_select(0, slots).to(query.dtype)
-            out[q0:q1] = reference.attend_one(query[q0:q1], k, v, scale)
-        return out
+        return torch_prefill_attention(query, key, value, k_cache, v_cache, meta, scale, out)
+
+
+def _triton_backend() -> AttentionBackend:
+    from kernels.triton_backend import TritonBackend
+
+    return TritonBackend()
 
 
 def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
-    """The attention backend for ``device``: ``name`` "torch" or "triton", or None to pick (Triton on CUDA if
-    it imports, else torch)."""
+    """The attention backend for ``device``. ``name``: ``"cpu"`` (the C kernels where available, else torch),
+    ``"torch"`` (the portable torch path only: ``CPUBackend(native=False)``), ``"triton"`` (CUDA), or None /
+    ``"auto"`` to pick (Triton on CUDA if it imports, else ``"cpu"``)."""
     dev = torch.device(device)
     if name in (None, "auto"):
         if dev.type == "cuda":
             try:
-                from kernels.triton_backend import TritonBackend
-
-                return TritonBackend()
+                return _triton_backend()
             except Exception:  # noqa: BLE001 - Triton missing or broken: fall back to torch
-                return TorchBackend()
-        return TorchBackend()
-    if name == "torch":
-        return TorchBackend()
+                return CPUBackend()
+        return CPUBackend()
+    if name in ("cpu", "torch"):
+        return CPUBackend(native=name == "cpu")
     if name == "triton":
         if dev.type != "cuda":
             raise ValueError("the triton attention backend needs a CUDA device")
-        from kernels.triton_backend import TritonBackend
-
-        return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r} (expected 'torch', 'triton' or None)")
+        return _triton_backend()
+    raise ValueError(f"unknown attention backend {name!r} (expected one of {', '.join(BACKEND_NAMES)} or None)")

@@ -3,35 +3,17 @@
 Why: on CPU the same product can be handed to the BLAS four ways — the weight kept ``[out, in]`` (the
 checkpoint's layout) or ``[in, out]``, and the product computed as ``x @ W^T`` (row-major output) or as
 ``W @ x^T`` (then read back transposed) — and which one is fastest depends on the CPU and the batch size M,
-by up to 2x. Measured with MKL (torch 2.13 CPU wheel), float32, 2 threads, GFLOP/s at M = 64:
+by up to 2x (measured per CPU in docs/BENCHMARKS.md, "CPU kernels"), so a fixed choice is wrong somewhere.
+:func:`plan` times the candidates once per weight shape at load (a few M values standing for decode-sized,
+mid and prefill-sized batches, interleaved, best of several runs), keeps the weight in the winning layout
+(one copy, never two) and records the best form per M bucket. The result is cached per shape for the process.
+Off the CPU the plan is plain ``F.linear``.
 
-    CPU                 shape (K -> N)   x@W^T [out,in]  x@W [in,out]  W@x^T [out,in]
-    AMD EPYC (AVX2)     576 -> 3072           66-104         55-62        110-114
-    AMD EPYC (AVX2)     576 -> 49152          54-69          56            85-113
-    Intel Xeon (AVX-512) the [in,out] form was 2-3x faster than x@W^T [out,in] at decode sizes
-
-so a fixed choice is wrong somewhere. :func:`plan` times the candidates once per weight shape at load (a few
-M values standing for decode-sized, mid and prefill-sized batches, interleaved, best of several runs),
-keeps the weight in the winning layout (one copy, never two) and records the best form per M bucket.
-The result is cached per shape for the process. Off the CPU the plan is plain ``F.linear``.
-
-A third layout, "pk", is this project's own kernel (:mod:`kernels.packed_gemm`, AVX2 + FMA, float32): the
-weight packed once into 16-column panels, so no call repacks it. Measured on the same EPYC (2 threads,
-weight cold in cache), GFLOP/s, best BLAS form vs pk:
-
-    shape (K -> N)     M=8         M=16        M=64         M=1024
-    576 -> 3072       27 / 48     51 / 83     96 / 118     165 / 181
-    576 -> 49152      49 / 70     57 / 106    104 / 141    143 / 135
-
-Where it is available it is a candidate like the others, and wins on the model's shapes there. Where the CPU
-has AVX-512 the same layout runs a zmm micro-kernel; on the session-4 machine (AMD EPYC Zen 5 VM, 2 threads,
-the model's 30-layer set of shapes, weights cold) pk vs MKL through ``F.linear``, GFLOP/s:
-
-    M=8 127 / 40    M=16 223 / 71    M=64 350 / 120    M=1024 320 / 176    M=2048 329 / 178
-
-A fourth layout, "pd", is for bfloat16 weights on CPUs with AVX512-BF16: panels in k pairs
-``[ceil(out/16), in/2, 16, 2]`` multiplied by bfloat16 rows with the CPU's bfloat16 dot product (float32
-sums, one rounding of the result).
+A third layout, "pk", is this project's own kernel (:mod:`kernels.packed_gemm`): the weight packed once into
+16-column panels, so no call repacks it (MKL repacks on every call, which at decode sizes costs about as much
+as the product). Where it is available it is a candidate like the others. A fourth layout, "pd", is for
+bfloat16 weights on CPUs with AVX512-BF16: panels in k pairs ``[ceil(out/16), in/2, 16, 2]`` multiplied by
+bfloat16 rows with the CPU's bfloat16 dot product (float32 sums, one rounding of the result).
 """
 
 from __future__ import annotations

@@ -115,15 +115,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, HF "rotate_half" layout. x ``[T, H, D]``, cos/sin ``[T, D/2]``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c = cos[:, None, :]
-    s = sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused gate_up projection ``[..., 2*I]`` → ``[..., I]``."""
     half = x.shape[-1] // 2

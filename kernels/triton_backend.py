@@ -1,5 +1,5 @@
 """Triton attention backend (CUDA): the paged-cache kernels of ``kernels.triton_attention`` behind the
-``AttentionBackend`` protocol of ``kernels.backend``.
+``AttentionBackend`` protocol of ``kernels.attention_api``.
 
 Dispatch per layer call:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels import triton_attention as ta
-from kernels.backend import AttentionMetadata
+from kernels.attention_api import AttentionMetadata
 
 
 class TritonBackend:

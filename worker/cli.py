@@ -1,4 +1,4 @@
-"""``inferq generate``: offline batch generation from a JSONL file (registered by inferq/cli.py).
+"""``inferq generate``: offline batch generation from a JSONL file (registered by deploy/cli.py).
 
 torch is imported only inside the command, so importing this module stays cheap.
 """

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.model import ModelConfig, ModelError, load_config
+from worker.model_config import ModelConfig, ModelError, load_config
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -5,28 +5,45 @@ The batch is flattened: all tokens of all scheduled requests form one ``[T, hidd
 positions (no padding); attention goes through an ``AttentionBackend`` over the paged KV cache; logits are
 computed only for the rows in ``logits_indices`` (the last token of each request that samples).
 
-Weights come from local safetensors; q/k/v and gate/up projections are concatenated at load time into one
-matmul each (fewer, larger GEMMs are faster on CPU).
+Weights come from local safetensors through ``worker.weights`` (q/k/v and gate/up projections fused into one
+matmul each); the config through ``worker.model_config``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from inferq.log import get_logger
-from kernels import cpu_gemm, hugepages, packed_gemm
-from kernels.backend import AttentionBackend, AttentionMetadata
-from kernels.cpu_gemm import Linear
+from kernels import hugepages, packed_gemm
+from kernels.attention_api import AttentionBackend, AttentionMetadata
+from worker.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_ROPE_TYPES,
+    ModelConfig,
+    ModelError,
+    load_config,
+    parse_config,
+)
+from worker.weights import LayerWeights, load_weights, read_safetensors
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_ROPE_TYPES",
+    "CausalLM",
+    "LayerWeights",
+    "ModelConfig",
+    "ModelError",
+    "cpu_half_gemm_is_native",
+    "load_config",
+    "parse_config",
+    "resolve_device",
+    "resolve_dtype",
+    "rope_inv_freq",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -35,144 +52,6 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-
-
-class ModelError(Exception):
-    """A model that cannot be found, read or run (message names the path or the unsupported feature)."""
-
-
-@dataclass
-class ModelConfig:
-    """The parts of a HF ``config.json`` the forward pass needs."""
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    torch_dtype: str | None
-    sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def max_model_len(self) -> int:
-        """Longest sequence we run exactly: the model's context, capped by a sliding window if one is used
-        (we do not implement windowed attention, so stay within the window where it changes nothing)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
-
-
-def _eos_list(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
-    """Validate and normalise a HF config dict (transformers 4.x and 5.x layouts)."""
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        model_type = raw.get("model_type")
-        by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-        if archs or model_type not in by_type:
-            raise ModelError(
-                f"{where}: unsupported architecture {archs or model_type!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        arch = by_type[model_type]
-    try:
-        hidden = int(raw["hidden_size"])
-        num_heads = int(raw["num_attention_heads"])
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
-        # transformers 5 stores rope_theta/rope_scaling inside "rope_parameters".
-        rope_params = dict(raw.get("rope_parameters") or {})
-        rope_scaling = raw.get("rope_scaling") or None
-        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
-            rope_scaling = rope_params
-        rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            rtype = rope_scaling.get("rope_type") or rope_scaling.get("type") or "default"
-            rope_scaling["rope_type"] = rtype
-            if rtype not in SUPPORTED_ROPE_TYPES:
-                raise ModelError(
-                    f"{where}: unsupported rope scaling type {rtype!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-                )
-            if rtype == "default":
-                rope_scaling = None
-        if float(raw.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-            raise ModelError(f"{where}: partial rotary embeddings are not supported")
-        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ModelError(f"{where}: unsupported activation {raw.get('hidden_act')!r} (only silu)")
-        sliding = None
-        if arch == "MistralForCausalLM":
-            sliding = raw.get("sliding_window")
-        elif arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
-            layer_types = raw.get("layer_types") or []
-            if not layer_types or "sliding_attention" in layer_types:
-                sliding = raw.get("sliding_window")
-        qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(raw.get("attention_bias", False))
-        o_bias = bool(raw.get("attention_bias", False)) if arch != "Qwen2ForCausalLM" else False
-        return ModelConfig(
-            architecture=arch,
-            model_type=str(raw.get("model_type", "")),
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            sliding_window=int(sliding) if sliding else None,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_eos_list(raw.get("eos_token_id")),
-            raw=raw,
-        )
-    except KeyError as exc:
-        raise ModelError(f"{where}: missing field {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
-        raise ModelError(f"{where}: invalid value ({exc})") from exc
-
-
-def load_config(model_dir: str | Path) -> ModelConfig:
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise ModelError(f"{path} does not exist (not a Hugging Face model directory)") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelError(f"{path} is not a JSON object")
-    return parse_config(raw, str(path))
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -241,32 +120,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 # --- the model ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Layer:
-    input_norm: torch.Tensor
-    qkv: Linear  # q, k, v projections stacked (q and k rows permuted for the complex RoPE path)
-    o: Linear
-    post_norm: torch.Tensor
-    gate_up: Linear  # gate and up stacked
-    down: Linear
-
-
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{model_dir}: no *.safetensors weight files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(str(f)))
-        except (OSError, SafetensorError, ValueError) as exc:
-            raise ModelError(f"cannot read weights {f}: {exc}") from exc
-    return tensors
-
-
 class CausalLM:
     """Llama/Qwen2/Mistral decoder with fused projections, run on a flattened batch."""
 
@@ -287,108 +140,16 @@ class CausalLM:
         self.weight_dtype = weight_dtype or dtype
         self.device = device
         c = config
-        # Normalise names: drop a leading "model." (and tolerate checkpoints saved without it).
-        w: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            if name.startswith("model."):
-                name = name[len("model.") :]
-            w[name] = t
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            t = w.pop(name, None)
-            if t is None:
-                if required:
-                    raise ModelError(f"{where}: missing weight {name!r}")
-                return None
-            return t.to(device=device, dtype=dtype)
-
-        def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
-            if all(p is None for p in parts):
-                return None
-            if any(p is None for p in parts):
-                raise ModelError(f"{where}: inconsistent biases")
-            return torch.cat(parts, dim=0).contiguous()  # type: ignore[arg-type]
-
-        # RoPE as one complex multiply (float32): permute each q/k head's rows from HF's rotate-half layout
-        # [x1 | x2] to interleaved pairs (x1_i, x2_i). q.k is invariant under the same permutation of both, so
-        # attention is unchanged (the cache simply holds keys in the permuted layout).
+        # RoPE as one complex multiply on float32: the weights' q/k rows are interleaved (worker/weights.py)
         self._complex_rope = dtype == torch.float32
-        half_perm = torch.stack((torch.arange(c.head_dim // 2), torch.arange(c.head_dim // 2) + c.head_dim // 2),
-                                dim=1).reshape(-1)
-
-        def rope_rows(t: torch.Tensor | None, heads: int) -> torch.Tensor | None:
-            if t is None or not self._complex_rope or t.shape[0] != heads * c.head_dim:
-                return t  # (a shape mismatch is reported below)
-            return t.view(heads, c.head_dim, *t.shape[1:])[:, half_perm].reshape(t.shape)
-
-        # CPU: each projection's layout and GEMM form are measured on this machine (kernels/cpu_gemm.py)
-        narrow = self.weight_dtype != dtype
-
-        def linear(w_oi: torch.Tensor | None, b: torch.Tensor | None, embedding: bool = False) -> Linear:
-            assert w_oi is not None  # take() raised for missing required weights
-            if narrow:  # only the packed kernel multiplies bfloat16 panels by float32 rows
-                return cpu_gemm.plan(w_oi.to(self.weight_dtype), b, packed_only=True)
-            return cpu_gemm.plan(w_oi, b, embedding=embedding)
-
-        self.embed = take("embed_tokens.weight")
-        if self.embed.shape[0] < c.vocab_size:
-            raise ModelError(
-                f"{where}: embedding has {self.embed.shape[0]} rows, config vocab_size {c.vocab_size}"
-            )
-        self.layers: list[_Layer] = []
-        for i in range(c.num_layers):
-            p = f"layers.{i}."
-            a = p + "self_attn."
-            m = p + "mlp."
-            self.layers.append(
-                _Layer(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=linear(
-                        cat(
-                            rope_rows(take(a + "q_proj.weight"), c.num_heads),
-                            rope_rows(take(a + "k_proj.weight"), c.num_kv_heads),
-                            take(a + "v_proj.weight"),
-                        ),
-                        cat(
-                            rope_rows(take(a + "q_proj.bias", c.qkv_bias), c.num_heads),
-                            rope_rows(take(a + "k_proj.bias", c.qkv_bias), c.num_kv_heads),
-                            take(a + "v_proj.bias", c.qkv_bias),
-                        ),
-                    ),
-                    o=linear(take(a + "o_proj.weight"), take(a + "o_proj.bias", False)),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
-                                   cat(take(m + "gate_proj.bias", False), take(m + "up_proj.bias", False))),
-                    down=linear(take(m + "down_proj.weight"), take(m + "down_proj.bias", False)),
-                )
-            )
-            q_out = c.num_heads * c.head_dim
-            kv_out = c.num_kv_heads * c.head_dim
-            if self.layers[-1].qkv.out_features != q_out + 2 * kv_out:
-                raise ModelError(
-                    f"{where}: layer {i} attention weights do not match the config's head counts"
-                )
-        self.norm = take("norm.weight")
-        lm_head = w.pop("lm_head.weight", None)
-        if lm_head is None:
-            if not c.tie_word_embeddings:
-                # Some exports drop lm_head even without the flag; the embedding is the only sensible choice.
-                pass
-            lm_head = self.embed
-        elif c.tie_word_embeddings:
-            lm_head = self.embed
-        else:
-            lm_head = lm_head.to(device=device, dtype=dtype)
-        # a tied head is the embedding table too: the lookup then reads the head's rows (one copy, whatever
-        # layout the head runs fastest in)
-        tied = lm_head is self.embed
-        self.lm_head = linear(lm_head, None, embedding=tied)
-        if tied:
-            rows = self.lm_head.rows
-            self._embed_rows = (lambda ids: rows(ids).to(dtype)) if narrow else rows
-            del self.embed
-        else:
-            self._embed_rows = lambda ids, table=self.embed: F.embedding(ids, table)
+        weights = load_weights(c, tensors, dtype=dtype, device=device, weight_dtype=self.weight_dtype,
+                               interleave_rope=self._complex_rope, where=where)
+        self.layers: list[LayerWeights] = weights.layers
+        self.norm = weights.norm
+        self.lm_head = weights.lm_head
+        self._embed_rows = weights.embed_rows
+        if weights.embed is not None:  # (a tied head's lookup reads the head's rows: no separate table)
+            self.embed = weights.embed
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
@@ -406,7 +167,7 @@ class CausalLM:
         config = load_config(model_dir)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, config)
-        tensors = _read_safetensors(model_dir)
+        tensors = read_safetensors(model_dir)
         if (dev.type == "cpu" and dt == torch.bfloat16 and not cpu_half_gemm_is_native()
                 and packed_gemm.available()):
             # No native bfloat16 matmul (torch's fallback GEMM is ~25x slower than float32 here): keep the
@@ -506,7 +267,7 @@ class CausalLM:
         h = self._norm(x, self.layers[0].input_norm) if self.layers else x
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
-            if complex_rope:  # interleaved pairs (see __init__): RoPE on q and k as one complex multiply
+            if complex_rope:  # interleaved pairs (worker/weights.py): RoPE on q and k as one complex multiply
                 qk = torch.view_as_complex(qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, half, 2))
                 qk = torch.view_as_real(qk * cos).view(t, qk_heads, d)
             else:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kernels.backend import AttentionBackend, AttentionMetadata, get_backend
+from kernels.attention_api import AttentionBackend, AttentionMetadata
+from kernels.backend import get_backend
 from scheduler.request import Request
 from worker.loader import ModelInfo, model_info
 from worker.model import CausalLM, load_config, resolve_device, resolve_dtype
@@ -25,6 +27,56 @@ from worker.sampler import Sampler
 log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened model inputs, sequences reordered decodes first (host arrays)."""
+
+    order: np.ndarray  # int64 [S]: order[i] is the caller's index of sequence i
+    requests: list[Request]  # the requests in that order
+    input_ids: list[int]  # [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    block_tables: np.ndarray  # int32 [S, max_blocks]
+    seq_lens: np.ndarray  # int64 [S]: context length including this step's tokens
+    query_start_loc: np.ndarray  # int64 [S+1]
+    sample_rows: np.ndarray  # sequences (in this order) that sample a token this step
+    logits_indices: np.ndarray  # int64: the token row of each sampling sequence's last token
+
+
+def _check_batch(batch: Sequence[tuple[Request, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(new tokens, computed tokens, known tokens) per request; raises for a step no request can take."""
+    n_seq = len(batch)
+    q_lens = np.fromiter((n for _, n in batch), dtype=np.int64, count=n_seq)
+    starts = np.fromiter((r.num_computed_tokens for r, _ in batch), dtype=np.int64, count=n_seq)
+    if (q_lens < 1).any():
+        raise ValueError("every scheduled request must compute at least one token")
+    totals = np.fromiter((r.num_tokens for r, _ in batch), dtype=np.int64, count=n_seq)
+    if (starts + q_lens > totals).any():
+        bad = int(np.flatnonzero(starts + q_lens > totals)[0])
+        r = batch[bad][0]
+        raise ValueError(
+            f"request {r.request_id}: {r.num_computed_tokens} computed + {batch[bad][1]} new exceeds its "
+            f"{r.num_tokens} tokens"
+        )
+    return q_lens, starts, totals
+
+
+def _input_ids(reqs: list[Request], starts: np.ndarray, q_lens: np.ndarray) -> list[int]:
+    """The token ids to compute, flattened: ``all_token_ids[c:c+n]`` of each request (a decode reads its one
+    token without building the whole list)."""
+    ids: list[int] = []
+    for r, c, n in zip(reqs, starts.tolist(), q_lens.tolist(), strict=True):
+        if n == 1:
+            ids.append(
+                r.output_token_ids[c - r.num_prompt_tokens]
+                if c >= r.num_prompt_tokens
+                else r.prompt_token_ids[c]
+            )
+        else:
+            ids.extend(r.all_token_ids[c : c + n])
+    return ids
 
 
 class ModelRunner:
@@ -91,45 +143,40 @@ class ModelRunner:
 
     # -- batch preparation ---------------------------------------------------------------------------
 
-    def _prepare(self, batch: Sequence[tuple[Request, int]]):
-        n_seq = len(batch)
-        q_lens = np.fromiter((n for _, n in batch), dtype=np.int64, count=n_seq)
-        starts = np.fromiter((r.num_computed_tokens for r, _ in batch), dtype=np.int64, count=n_seq)
-        if (q_lens < 1).any():
-            raise ValueError("every scheduled request must compute at least one token")
-        totals = np.fromiter((r.num_tokens for r, _ in batch), dtype=np.int64, count=n_seq)
-        if (starts + q_lens > totals).any():
-            bad = int(np.flatnonzero(starts + q_lens > totals)[0])
-            r = batch[bad][0]
-            raise ValueError(
-                f"request {r.request_id}: {r.num_computed_tokens} computed + {batch[bad][1]} new exceeds its "
-                f"{r.num_tokens} tokens"
-            )
-        # Decodes first (stable), then prefill chunks.
+    def _prepare(self, batch: Sequence[tuple[Request, int]]) -> StepInputs:
+        """The flattened model inputs of one step, decodes first (stable), then prefill chunks."""
+        q_lens, starts, totals = _check_batch(batch)
         order = np.concatenate([np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens != 1)])
         reqs = [batch[i][0] for i in order]
-        q_lens = q_lens[order]
-        starts = starts[order]
+        q_lens, starts = q_lens[order], starts[order]
         seq_lens = starts + q_lens
-        qsl = np.zeros(n_seq + 1, dtype=np.int64)
+        qsl = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
-        total = int(qsl[-1])
+        block_tables = self._block_tables(reqs, seq_lens)
+        # Per-token sequence index and position, then slot = block_table[seq, pos // bs] * bs + pos % bs.
+        bs = self.block_size
+        seq_idx = np.repeat(np.arange(len(batch)), q_lens)
+        positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
+        slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_rows = np.flatnonzero(seq_lens == totals[order])
+        return StepInputs(
+            order=order,
+            requests=reqs,
+            input_ids=_input_ids(reqs, starts, q_lens),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            sample_rows=sample_rows,
+            logits_indices=qsl[1:][sample_rows] - 1,
+        )
 
-        ids: list[int] = []
-        for r, c, n in zip(reqs, starts.tolist(), q_lens.tolist(), strict=True):
-            if n == 1:
-                ids.append(
-                    r.output_token_ids[c - r.num_prompt_tokens]
-                    if c >= r.num_prompt_tokens
-                    else r.prompt_token_ids[c]
-                )
-            else:
-                ids.extend(r.all_token_ids[c : c + n])
-
+    def _block_tables(self, reqs: list[Request], seq_lens: np.ndarray) -> np.ndarray:
+        """int32 ``[S, max_blocks]``: each request's first blocks covering its ``seq_lens`` tokens, zero-padded."""
         bs = self.block_size
         need_blocks = (seq_lens + bs - 1) // bs
-        max_blocks = int(need_blocks.max())
-        block_tables = np.zeros((n_seq, max_blocks), dtype=np.int32)
+        block_tables = np.zeros((len(reqs), int(need_blocks.max())), dtype=np.int32)
         for i, r in enumerate(reqs):
             bt = r.block_table
             nb = int(need_blocks[i])
@@ -139,88 +186,56 @@ class ModelRunner:
                     f"{int(seq_lens[i])} tokens"
                 )
             block_tables[i, :nb] = bt[:nb]
-        if n_seq and (block_tables.max() >= self.num_blocks or block_tables.min() < 0):
+        if len(reqs) and (block_tables.max() >= self.num_blocks or block_tables.min() < 0):
             raise ValueError(f"block table entry out of range [0, {self.num_blocks})")
-
-        # Per-token sequence index and position, then slot = block_table[seq, pos // bs] * bs + pos % bs.
-        seq_idx = np.repeat(np.arange(n_seq), q_lens)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
-        slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-
-        sample_mask = seq_lens == totals[order]
-        sample_rows = np.flatnonzero(sample_mask)
-        logits_indices = qsl[1:][sample_rows] - 1
-        return (
-            order,
-            reqs,
-            ids,
-            positions,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            qsl,
-            sample_rows,
-            logits_indices,
-        )
+        return block_tables
 
     # -- execution -----------------------------------------------------------------------------------
 
-    def _forward(
-        self, batch: Sequence[tuple[Request, int]]
-    ) -> tuple[np.ndarray, list[Request], np.ndarray, torch.Tensor]:
-        """Run the model on one step; returns (order, reordered requests, sampling rows, their logits)."""
-        (
-            order,
-            reqs,
-            ids,
-            positions,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            qsl,
-            sample_rows,
-            logits_indices,
-        ) = self._prepare(batch)
+    def _forward(self, batch: Sequence[tuple[Request, int]]) -> tuple[StepInputs, torch.Tensor]:
+        """Run the model on one step; returns its inputs (order, reordered requests, sampling rows) and the
+        logits of the sampling rows."""
+        step = self._prepare(batch)
         dev = self.device
-        max_pos = int(seq_lens.max()) - 1
+        max_pos = int(step.seq_lens.max()) - 1
         if max_pos >= self.info.max_model_len:
             raise ValueError(f"position {max_pos} is beyond the model's context ({self.info.max_model_len})")
         meta = AttentionMetadata.build(
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=qsl,
+            slot_mapping=step.slot_mapping,
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
             block_size=self.block_size,
             device=dev,
             scale=self.model.scale,
         )
         # All-prefill-chunk steps sample nothing: an empty index skips the LM head.
         logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.from_numpy(positions).to(dev),
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.from_numpy(step.positions).to(dev),
             self.kv_caches,
             meta,
             self.backend,
-            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            logits_indices=torch.from_numpy(step.logits_indices).to(dev),
             max_position=max_pos,
         )
-        return order, reqs, sample_rows, logits
+        return step, logits
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[tuple[Request, int]]) -> list[int | None]:
         """Run one step; the next token for each request that reached its end, else None (caller's order)."""
         if not batch:
             return []
-        order, reqs, sample_rows, logits = self._forward(batch)
+        step, logits = self._forward(batch)
         results: list[int | None] = [None] * len(batch)
-        if sample_rows.size == 0:
+        if step.sample_rows.size == 0:
             return results
-        sampled = [reqs[i] for i in sample_rows]
+        sampled = [step.requests[i] for i in step.sample_rows]
         tokens = self.sampler.sample(
             logits, [r.sampling for r in sampled], [r.num_output_tokens for r in sampled]
         )
-        for row, tok in zip(sample_rows.tolist(), tokens, strict=True):
-            results[int(order[row])] = int(tok)
+        for row, tok in zip(step.sample_rows.tolist(), tokens, strict=True):
+            results[int(step.order[row])] = int(tok)
         return results
 
     @torch.inference_mode()
@@ -229,8 +244,8 @@ class ModelRunner:
         tests and tools."""
         if not batch:
             return []
-        order, _, sample_rows, logits = self._forward(batch)
+        step, logits = self._forward(batch)
         out: list[torch.Tensor | None] = [None] * len(batch)
-        for j, row in enumerate(sample_rows.tolist()):
-            out[int(order[row])] = logits[j].cpu()
+        for j, row in enumerate(step.sample_rows.tolist()):
+            out[int(step.order[row])] = logits[j].cpu()
         return out

@@ -1,4 +1,4 @@
-"""``inferq worker``: run one worker process (registered by inferq/cli.py). Torch loads only when it runs."""
+"""``inferq worker``: run one worker process (registered by deploy/cli.py). Torch loads only when it runs."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ def upgrade() -> None:
     op.create_index('ix_jobs_webhook_finished', 'jobs', ['finished_at'], unique=False,
                     postgresql_where=sa.text('webhook_url IS NOT NULL'),
                     sqlite_where=sa.text('webhook_url IS NOT NULL'))
-    # inferq/jobs.py: exact recount of a tenant's queued jobs (quota) without walking its finished jobs
+    # inferq/jobs (quotas): exact recount of a tenant's queued jobs (quota) without walking its finished jobs
     op.create_index('ix_jobs_tenant_queued', 'jobs', ['tenant_id'], unique=False,
                     postgresql_where=sa.text("status = 'queued'"),
                     sqlite_where=sa.text("status = 'queued'"))

@@ -50,7 +50,7 @@ def _env(settings, **extra) -> dict[str, str]:
 def celery_worker(settings, tmp_path, redis_client):
     log = open(tmp_path / "celery.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from inferq.cli import main; main()", "celery-worker", "--concurrency", "4",
+        [sys.executable, "-c", "from deploy.cli import main; main()", "celery-worker", "--concurrency", "4",
          "--hostname", f"{settings.stream_prefix}@test", "--loglevel", "INFO"],
         cwd=ROOT, env=_env(settings), stdout=log, stderr=subprocess.STDOUT)
     yield proc

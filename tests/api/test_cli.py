@@ -25,7 +25,7 @@ def _env(settings) -> dict[str, str]:
 
 
 def inferq(settings, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-c", "from inferq.cli import main; main()", *args], env=_env(settings),
+    out = subprocess.run([sys.executable, "-c", "from deploy.cli import main; main()", *args], env=_env(settings),
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     if ok:
         assert out.returncode == 0, out.stderr
@@ -53,7 +53,7 @@ def test_tenants_and_keys(settings, redis_client, tmp_path):
     assert key not in shown and admin_key not in shown  # only prefixes are ever shown again
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from inferq.cli import main; main()", "api", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-c", "from deploy.cli import main; main()", "api", "--port", str(port),
                              "--no-webhooks"], env=_env(settings), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=(tmp_path / "api.log").open("wb"))
     try:

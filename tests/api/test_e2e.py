@@ -92,7 +92,7 @@ def test_celery_generate_end_to_end(model_settings, inferq_worker, make_tenant, 
     t = make_tenant()
     log = open(tmp_path / "celery.log", "wb")  # noqa: SIM115
     celery = subprocess.Popen(
-        [sys.executable, "-c", "from inferq.cli import main; main()", "celery-worker", "--concurrency", "2",
+        [sys.executable, "-c", "from deploy.cli import main; main()", "celery-worker", "--concurrency", "2",
          "--hostname", f"{model_settings.stream_prefix}@e2e"],
         cwd=ROOT, env=_env(model_settings, model=model_settings.model), stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -141,7 +141,7 @@ def test_usage_401(client):
 def _cli(settings, *args: str) -> str:
     env = {**os.environ, "INFERQ_DATABASE_URL": settings.database_url, "INFERQ_REDIS_URL": settings.redis_url,
            "INFERQ_LOG_JSON": "true"}
-    out = subprocess.run([sys.executable, "-c", "from inferq.cli import main; main()", *args], env=env,
+    out = subprocess.run([sys.executable, "-c", "from deploy.cli import main; main()", *args], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 def _inferq(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "inferq.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout)
 
 

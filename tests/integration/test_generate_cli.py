@@ -81,7 +81,7 @@ def test_generate_cli_end_to_end(tiny, tmp_path, policy):
     out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
     # A real process: the installed entry point path, logging to stderr, nothing but results in files.
     res = subprocess.run(
-        [sys.executable, "-m", "inferq.cli", "generate", "--input", str(inp), "--output", str(out),
+        [sys.executable, "-m", "deploy.cli", "generate", "--input", str(inp), "--output", str(out),
          "--model", str(tiny), "--policy", policy, "--max-num-seqs", "3", "--max-batched-tokens", "16",
          "--block-size", "4", "--kv-cache-memory", str(32 * 1024), "--dtype", "float32", "--stats", str(stats)],
         env=env, capture_output=True, text=True, timeout=300,

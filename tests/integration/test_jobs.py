@@ -1,17 +1,19 @@
-"""The job lifecycle in SQL (inferq/jobs.py) against the real PostgreSQL and a private real Redis."""
+"""The job lifecycle in SQL (inferq/jobs/) against the real PostgreSQL and a private real Redis."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 
 import pytest
 import redis as redis_lib
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 
 from inferq import jobs
 from inferq.contract import JobCreate, decode_message, stream_key
 from inferq.db import Job, Price, Result, UsageEntry, utcnow
+from inferq.jobs import connections, pg_admission, quotas
 from tests.service_fixtures import free_port, make_tenant, private_redis  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -273,3 +275,69 @@ def test_lifecycle_on_sqlite(tmp_path, r, cfg):
     assert jobs.reconcile(sq, r, cfg, grace_seconds=0).readded == 1
     assert stream_ids(r, cfg) == [third.id]
     engine.dispose()
+
+
+ESTIMATE_BODIES = [
+    {"prompt": "hello world", "max_tokens": 8},
+    {"prompt": "naïve café ☕ " * 7, "max_tokens": 3, "stop": ["\n"], "temperature": 0.5},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 301}],
+     "max_tokens": 1000},
+    {"prompt_ids": list(range(50)), "max_tokens": 1, "seed": 7},
+]
+
+
+def test_row_estimate_forms_agree_on_postgresql(db, r, cfg):
+    """The row estimate's three forms (quotas: SQL text, SQLAlchemy expression, Python) give the same tokens
+    for rows stored by the PostgreSQL fast path."""
+    tenant = make_tenant(db)
+    for kw in ESTIMATE_BODIES:
+        b = JobCreate(**kw)
+        job, _ = jobs.submit(db, r, cfg, tenant, b)
+        request = b.request_params()
+        expected = quotas.row_estimate(json.dumps(request), request["max_tokens"])
+        with db() as s:
+            raw = s.execute(text(f"SELECT {quotas.ROW_ESTIMATE_SQL} FROM jobs WHERE id = :id"), {"id": job.id}).scalar()
+            orm = s.scalar(select(quotas.row_estimate_expr()).where(Job.id == job.id))
+        assert float(raw) == pytest.approx(expected) and float(orm) == pytest.approx(expected), kw
+        assert quotas.bound_charge(json.dumps(request), b.max_tokens, quotas.estimate_tokens(request)) >= expected
+
+
+def test_row_estimate_forms_agree_on_sqlite(tmp_path, r, cfg):
+    from inferq.db import Base, make_engine, make_sessionmaker
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'estimate.sqlite'}")
+    Base.metadata.create_all(engine)
+    sq = make_sessionmaker(engine)
+    tenant = make_tenant(sq)
+    for kw in ESTIMATE_BODIES:
+        b = JobCreate(**kw)
+        job, _ = jobs.submit(sq, r, cfg, tenant, b)
+        request = b.request_params()
+        with sq() as s:
+            orm = s.scalar(select(quotas.row_estimate_expr()).where(Job.id == job.id))
+        assert float(orm) == pytest.approx(quotas.row_estimate(json.dumps(request), request["max_tokens"])), kw
+    engine.dispose()
+
+
+def test_admission_replaces_a_dead_pooled_connection(db, r, cfg, monkeypatch):
+    """A pooled admission connection that died while idle is pinged, dropped and replaced: the submission
+    succeeds on a new connection."""
+    tenant = make_tenant(db)
+    jobs.submit(db, r, cfg, tenant, body())
+    engine = db.kw["bind"]
+    _, pool = pg_admission.admission_for(engine)
+    pooled = pool.get()
+    pid = pooled.driver_connection.info.backend_pid
+    pool.put(pooled)
+    with engine.connect() as c:
+        assert c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+    monkeypatch.setattr(connections, "PING_AFTER_SECONDS", 0.0)
+    job, created = jobs.submit(db, r, cfg, tenant, body())
+    assert created and job.id in stream_ids(r, cfg)
+    pooled = pool.get()
+    try:
+        assert pooled.driver_connection.info.backend_pid != pid
+        # every admission connection plans with the parameters it is given
+        assert pooled.driver_connection.execute("SHOW plan_cache_mode").fetchone()[0] == "force_custom_plan"
+    finally:
+        pool.put(pooled)

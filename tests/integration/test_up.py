@@ -27,7 +27,7 @@ def test_up_demo_embedded(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")}
     env.update(XDG_DATA_HOME=str(tmp_path / "data"), INFERQ_KV_CACHE_MEMORY="32MiB", INFERQ_LOG_JSON="true")
     proc = subprocess.run(
-        [sys.executable, "-m", "inferq.cli", "up", "--demo", "--port", str(_free_port()), "--model", str(model),
+        [sys.executable, "-m", "deploy.cli", "up", "--demo", "--port", str(_free_port()), "--model", str(model),
          "--prompt", "Hello world!"],
         capture_output=True, text=True, env=env, timeout=300,
     )

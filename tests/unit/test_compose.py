@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from inferq.cli import app
+from deploy.cli import app
 from inferq.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,9 +4,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("inferq", "api", "worker", "scheduler", "kernels")
+PACKAGES = ("inferq", "api", "worker", "scheduler", "kernels", "deploy")
 # user-facing command output is allowed to print; everything else logs through structlog
-CLI_MODULES = {"inferq/cli.py", "inferq/up.py", "worker/cli.py", "worker/service_cli.py", "api/cli.py"}
+CLI_MODULES = {"deploy/cli.py", "deploy/launcher.py", "worker/cli.py", "worker/service_cli.py", "api/cli.py"}
 
 
 def _sources():
@@ -28,7 +28,7 @@ def test_no_print_outside_cli():
 
 def test_only_settings_reads_the_environment():
     offenders = []
-    allowed = {"inferq/settings.py", "inferq/up.py"}  # up.py only passes the environment on to its children
+    allowed = {"inferq/settings.py", "deploy/launcher.py"}  # the launcher only passes the environment on to its children
     for rel, tree in _sources():
         if rel in allowed:
             continue
@@ -53,3 +53,43 @@ def test_scheduler_is_pure_python():
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in {"torch", "numpy", "triton"}, f"{rel} imports {name}"
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a module, at any depth (lazy imports count too), and of
+    ``importlib.import_module("...")`` calls with a literal name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def _violations(package: str, forbidden, allowed=lambda rel, name: False) -> list[str]:
+    out = []
+    for rel, tree in _sources():
+        if not rel.startswith(package + "/"):
+            continue
+        for line, name in _imports(tree):
+            if name.split(".")[0] in forbidden and not allowed(rel, name):
+                out.append(f"{rel}:{line} imports {name}")
+    return out
+
+
+def test_layering_of_the_packages():
+    """Imports point down the stack: deploy (the command, the launcher) -> api / worker -> kernels, scheduler
+    -> the shared core inferq/. The shared core imports none of the others (the job contract may name the
+    scheduler's request types), the API process never loads torch or the model code, and the scheduler stays
+    free of the rest (it may log through inferq.log)."""
+    offenders = _violations("inferq", {"api", "worker", "kernels", "scheduler", "deploy", "bench"},
+                            lambda rel, name: rel == "inferq/contract.py" and name == "scheduler.request")
+    offenders += _violations("api", {"torch", "worker", "kernels"})
+    offenders += _violations("scheduler", {"inferq", "api", "worker", "kernels", "deploy", "bench", "migrations"},
+                             lambda rel, name: name == "inferq.log")
+    assert not offenders, f"imports against the layering: {offenders}"

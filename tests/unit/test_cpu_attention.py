@@ -164,6 +164,44 @@ def test_prefill_long_context_is_stable():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def _check_decode_and_prefill(hq, hkv, d, bs, dtype, prefill=True):
+    query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, dtype, LENGTHS, seed=d + bs + hq)
+    got = cpu_attention.decode_attention(query, kc, vc, tables, seq_lens, max(LENGTHS), d ** -0.5)
+    qsl = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
+    expected = reference.paged_attention(query, kc.float(), vc.float(), tables, seq_lens, qsl, d ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    if prefill:
+        query, kc, vc, tables, starts, ctx, totals = _prefill_case(hq, hkv, d, bs, dtype, [(7, 0), (33, 40), (5, 100)],
+                                                                  seed=d + hq)
+        got = cpu_attention.prefill_attention(query, kc, vc, tables, starts, ctx, d ** -0.5)
+        expected = reference.paged_attention(query, kc, vc, tables, torch.tensor(totals, dtype=torch.int32), starts,
+                                             d ** -0.5)
+        torch.testing.assert_close(got, expected.float(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not cpu_attention.has_avx512(), reason="only an AVX-512 build has a second vector path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_build_matches_reference(dtype, monkeypatch):
+    """The library built with INFERQ_NO_AVX512 (what an AVX2-only CPU gets): on an AVX-512 machine its prefill
+    (ymm q.k and V sums for head dims that are multiples of 16) is otherwise untested."""
+    lib = cpu_attention.build({"INFERQ_NO_AVX512": 1})
+    assert lib is not None and lib.has_simd() and lib.has_prefill() and not lib.has_avx512()
+    monkeypatch.setattr(cpu_attention, "load", lambda: lib)
+    for hq, hkv, d, bs in [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 48, 8), (14, 2, 80, 4)]:
+        _check_decode_and_prefill(hq, hkv, d, bs, dtype)
+
+
+def test_scalar_build_decodes_and_declines_prefill(monkeypatch):
+    """The library built with INFERQ_NO_AVX2 (a CPU without AVX2 + FMA): the portable loops for every shape, and
+    no prefill kernel (the backend keeps SDPA)."""
+    lib = cpu_attention.build({"INFERQ_NO_AVX2": 1})
+    assert lib is not None and not lib.has_simd() and not lib.has_prefill() and not lib.has_avx512()
+    monkeypatch.setattr(cpu_attention, "load", lambda: lib)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_decode_and_prefill(9, 3, 64, 16, dtype, prefill=False)
+    assert not cpu_attention.supports_prefill(torch.zeros(1, 9, 64), torch.zeros(4, 16, 3, 64))
+
+
 def test_prefaulted_buffers_are_resident_at_once():
     import os
 

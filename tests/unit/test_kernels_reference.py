@@ -1,15 +1,17 @@
-"""Reference kernels and the torch backend against a naive per-token implementation written here."""
+"""Reference kernels and the CPU backend against a naive per-token implementation written here."""
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
 import torch
 
-from kernels import reference
-from kernels.backend import AttentionMetadata, TorchBackend, get_backend
+from kernels import cpu_attention, reference
+from kernels.attention_api import AttentionMetadata
+from kernels.backend import CPUBackend, get_backend
 
 
 def naive_write(key, value, k_cache, v_cache, slot_mapping):
@@ -71,6 +73,18 @@ def make_case(seq_specs, hq, hkv, d=8, bs=4, seed=0, dtype=torch.float32):
     return query, k_cache, v_cache, block_tables, seq_lens, qsl
 
 
+def _fresh_kv(kc, vc, bt, lens, qsl):
+    """This step's key/value ``[T, Hkv, D]``: the cached values at each chunk's positions (the backends' fast
+    paths read fresh K/V for context-free prefills)."""
+    bs, hkv, d = kc.shape[1], kc.shape[2], kc.shape[3]
+    slots = []
+    for s in range(len(lens)):
+        q_len = int(qsl[s + 1] - qsl[s])
+        for p in range(int(lens[s]) - q_len, int(lens[s])):
+            slots.append(int(bt[s, p // bs]) * bs + p % bs)
+    return kc.view(-1, hkv, d)[slots], vc.view(-1, hkv, d)[slots]
+
+
 CASES = {
     "decode-ragged": [(0, 1), (4, 1), (7, 1), (15, 1), (16, 1), (1, 1)],
     "prefill-ragged": [(0, 1), (0, 4), (0, 5), (0, 13)],
@@ -84,7 +98,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])  # GQA ratios 1, 3, 4
 def test_paged_attention_matches_naive(case, hq, hkv):
-    query, kc, vc, bt, lens, qsl = make_case(CASES[case], hq, hkv, seed=hash(case) % 1000)
+    query, kc, vc, bt, lens, qsl = make_case(CASES[case], hq, hkv, seed=zlib.crc32(case.encode()) % 1000)  # stable across processes, unlike hash()
     scale = 0.37
     bt_t, lens_t, qsl_t = torch.from_numpy(bt), torch.from_numpy(lens), torch.from_numpy(qsl)
     expected = naive_attention(query, kc, vc, bt_t, lens_t, qsl_t, scale)
@@ -102,15 +116,8 @@ def test_paged_attention_matches_naive(case, hq, hkv):
         device="cpu",
         scale=scale,
     )
-    slots = []
-    for s in range(len(lens)):
-        q_len = int(qsl[s + 1] - qsl[s])
-        for p in range(int(lens[s]) - q_len, int(lens[s])):
-            slots.append(int(bt[s, p // kc.shape[1]]) * kc.shape[1] + p % kc.shape[1])
-    flat_k = kc.view(-1, hkv, kc.shape[-1])
-    flat_v = vc.view(-1, hkv, vc.shape[-1])
-    key, value = flat_k[slots], flat_v[slots]
-    fast = TorchBackend().forward(query, key, value, kc, vc, meta)
+    key, value = _fresh_kv(kc, vc, bt, lens, qsl)
+    fast = CPUBackend().forward(query, key, value, kc, vc, meta)
     torch.testing.assert_close(fast.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -175,12 +182,36 @@ def test_write_kv_cache_casts_to_cache_dtype():
 
 
 def test_get_backend_cpu_and_errors():
-    assert get_backend("cpu").name == "torch"
-    assert get_backend("cpu", "torch").name == "torch"
+    assert get_backend("cpu").name == "cpu" and get_backend("cpu").native
+    assert get_backend("cpu", "cpu").name == "cpu"
+    torch_only = get_backend("cpu", "torch")
+    assert isinstance(torch_only, CPUBackend) and torch_only.name == "torch" and not torch_only.native
     with pytest.raises(ValueError, match="CUDA"):
         get_backend("cpu", "triton")
     with pytest.raises(ValueError, match="unknown"):
         get_backend("cpu", "nope")
+
+
+def test_torch_only_backend_avoids_the_c_kernels(monkeypatch):
+    """CPUBackend(native=False) runs the portable torch path (batched decode gather + SDPA, per-sequence prefill)
+    even where the C kernels are available: they are never called, and the result matches the reference."""
+    query, kc, vc, bt, lens, qsl = make_case(CASES["mixed-decodes-first"], 6, 2)
+    meta = AttentionMetadata.build(slot_mapping=np.zeros(int(qsl[-1]), np.int64), block_tables=bt, seq_lens=lens,
+                                   query_start_loc=qsl, block_size=4, device="cpu", scale=0.37)
+    args = (torch.from_numpy(bt), torch.from_numpy(lens), torch.from_numpy(qsl), 0.37)
+    expected = reference.paged_attention(query, kc, vc, *args)
+    key, value = _fresh_kv(kc, vc, bt, lens, qsl)
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("the C kernels were called")
+
+    monkeypatch.setattr(cpu_attention, "decode_attention", forbidden)
+    monkeypatch.setattr(cpu_attention, "prefill_attention", forbidden)
+    got = CPUBackend(native=False).forward(query, key, value, kc, vc, meta)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if cpu_attention.supports(query, kc):  # the default backend does use them here
+        with pytest.raises(AssertionError, match="C kernels"):
+            CPUBackend().forward(query, key, value, kc, vc, meta)
 
 
 def test_helpers_rms_norm_and_silu():

@@ -391,7 +391,7 @@ def test_random_workloads_always_finish(reqs, num_blocks, budget, seqs, share, p
     pending = [(arrive, req(tokens=[1, 2, 3, 4, 5, 6, 7, 8][:n] + [100 + i] * n, max_tokens=m, tier=tier,
                             priority=prio), abort)
                for i, (n, m, tier, prio, arrive, abort) in enumerate(reqs)]
-    added = []
+    added, aborted = [], set()
     for step in range(600):
         for arrive, r, abort in pending:
             if arrive == step:
@@ -403,7 +403,8 @@ def test_random_workloads_always_finish(reqs, num_blocks, budget, seqs, share, p
         assert len(s.running) <= seqs
         for r, abort in added:
             if abort and step == 3 and not r.is_finished:
-                s.abort(r.request_id)
+                assert s.abort(r.request_id) is r
+                aborted.add(r.request_id)
         used = sum(len(r.block_table) for r in s.running)
         assert s.bm.num_blocks - s.bm.num_free <= used  # shared blocks are counted once
         assert all(not r.block_table for q in s.waiting.values() for r in q)
@@ -412,7 +413,10 @@ def test_random_workloads_always_finish(reqs, num_blocks, budget, seqs, share, p
         raise AssertionError(f"hang: running={[(r.request_id, r.tier.value, r.num_computed_tokens, r.num_tokens, len(r.block_table)) for r in s.running]} "
                              f"waiting={[(r.request_id, r.tier.value, r.num_tokens) for q in s.waiting.values() for r in q]} free={s.bm.num_free}")
     assert s.bm.num_free == s.bm.num_blocks
-    for r, _ in added:
+    for r, _ in added:  # an admitted request ends only by running to max_tokens or by our abort
         assert r.is_finished
-        if r.finish_reason is FinishReason.LENGTH:
+        if r.request_id in aborted:
+            assert r.finish_reason is FinishReason.ABORT, (r.request_id, r.finish_reason, r.error)
+        else:
+            assert r.finish_reason is FinishReason.LENGTH, (r.request_id, r.finish_reason, r.error)
             assert r.num_output_tokens == r.sampling.max_tokens

@@ -24,13 +24,25 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from kernels import triton_attention as ta  # noqa: E402
+from kernels import triton_common  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if not _INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is disabled and there is no CUDA device", allow_module_level=True)
-if _INTERPRET and not ta._interpreting():
-    # Imported earlier (before TRITON_INTERPRET was set): re-decorate the kernels for the interpreter.
-    ta = importlib.reload(ta)
+
+
+def _interpreted_kernels():
+    """Re-import the kernel modules (in dependency order) if they were first imported before
+    TRITON_INTERPRET was set, so their kernels are re-decorated for the interpreter (in place: a reloaded
+    module keeps its identity, so ``ta`` and ``triton_backend.ta`` see the new kernels)."""
+    if _INTERPRET and not triton_common._interpreting():
+        from kernels import triton_backend, triton_decode, triton_prefill
+
+        for mod in (triton_common, triton_decode, triton_prefill, ta, triton_backend):
+            importlib.reload(mod)
+
+
+_interpreted_kernels()
 
 DEVICE = "cpu" if _INTERPRET else "cuda"
 
@@ -243,13 +255,12 @@ def test_default_num_splits():
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 1, 19, 7]])
 def test_triton_backend(q_lens):
-    backend_mod = pytest.importorskip("kernels.backend")
+    backend_mod = pytest.importorskip("kernels.attention_api")
     import numpy as np
 
     from kernels import triton_backend
 
-    if _INTERPRET and not triton_backend.ta._interpreting():
-        triton_backend = importlib.reload(triton_backend)
+    _interpreted_kernels()
     seq_lens = [5, 40, 30, 7][: len(q_lens)]
     hq, hkv, d, bs, dtype = 9, 3, 64, 8, torch.float32
     p = Problem(seq_lens, q_lens, hq, hkv, d, bs, dtype, seed=len(q_lens))
@@ -281,9 +292,9 @@ def test_triton_backend(q_lens):
 
 
 @pytest.mark.slow  # ~10 s, mostly importing transformers
-def test_engine_greedy_matches_torch_backend(tmp_path):
+def test_engine_greedy_matches_cpu_backend(tmp_path):
     """The Triton backend inside the real engine (tiny random model): chunked prefill, mixed
-    decode/prefill steps and a prefix-cache hit give the same greedy tokens as the torch backend."""
+    decode/prefill steps and a prefix-cache hit give the same greedy tokens as the CPU backend."""
     try:
         from transformers import AutoTokenizer
 
@@ -296,12 +307,11 @@ def test_engine_greedy_matches_torch_backend(tmp_path):
         pytest.skip(f"engine not importable: {exc}")
     from kernels import triton_backend
 
-    if _INTERPRET and not triton_backend.ta._interpreting():
-        triton_backend = importlib.reload(triton_backend)
+    _interpreted_kernels()
     model_dir = make_tiny_model(tmp_path, arch="llama", num_hidden_layers=1, num_attention_heads=6,
                                 num_key_value_heads=2, hidden_size=384)
     outputs, cached = {}, {}
-    for backend in ("torch", triton_backend.TritonBackend()):
+    for backend in ("cpu", triton_backend.TritonBackend()):
         settings = load_settings(device=DEVICE, dtype="float32", max_num_seqs=8, max_batched_tokens=16,
                                  kv_cache_memory="4MiB", block_size=8)
         runner = ModelRunner(model_dir, dtype="float32", device=DEVICE, kv_cache_bytes=settings.kv_cache_bytes,
@@ -327,8 +337,8 @@ def test_engine_greedy_matches_torch_backend(tmp_path):
         cached[name] = engine.stats.cached_prompt_tokens
     assert all(len(o) == 3 for o in outputs["triton"])
     assert cached["triton"] >= 16
-    assert outputs["triton"] == outputs["torch"]
-    assert cached["triton"] == cached["torch"]
+    assert outputs["triton"] == outputs["cpu"]
+    assert cached["triton"] == cached["cpu"]
 
 
 _AOT_SCRIPT = r"""
@@ -336,16 +346,16 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from kernels import triton_attention as ta
+from kernels import triton_common, triton_decode, triton_prefill
 
 ptr = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_ptr": "*i64",
        "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
 common = dict(DOT_PRECISION="tf32", DOT_F32=False, EVEN_D=True)
 cases = [
-    (ta._write_kv_cache_kernel, dict(BLOCK_H=4, BLOCK_D=64)),
-    (ta._decode_kernel, dict(GROUP=3, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, USE_SPLITS=True, **common)),
-    (ta._decode_reduce_kernel, dict(BLOCK_P=64, BLOCK_D=64)),
-    (ta._prefill_kernel, dict(GROUP=3, BLOCK_G=4, BLOCK_Q=16, BLOCK_D=64, BLOCK_N=64, **common)),
+    (triton_common._write_kv_cache_kernel, dict(BLOCK_H=4, BLOCK_D=64)),
+    (triton_decode._decode_kernel, dict(GROUP=3, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, USE_SPLITS=True, **common)),
+    (triton_decode._decode_reduce_kernel, dict(BLOCK_P=64, BLOCK_D=64)),
+    (triton_prefill._prefill_kernel, dict(GROUP=3, BLOCK_G=4, BLOCK_Q=16, BLOCK_D=64, BLOCK_N=64, **common)),
 ]
 for fn, consts in cases:
     sig, attrs = {}, {}

@@ -1,5 +1,6 @@
-"""The ``inferq`` command line. Commands from each area live in that area's module and are imported
-here; those modules import torch only inside their functions, so ``inferq api`` never loads it."""
+"""The ``inferq`` command line (the ``inferq`` script runs ``main``). Commands from each area live in that area's
+module and are registered here; those modules import torch only inside their functions, so ``inferq api``
+never loads it. ``up`` (``deploy.launcher``), ``migrate`` and ``models list`` are defined here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import typer
 
+from inferq.errors import CLIError
 from inferq.settings import SettingsError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="inferq: asynchronous LLM inference over Redis and PostgreSQL.")
@@ -20,10 +22,6 @@ app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
 
 _debug = False
-
-
-class CLIError(Exception):
-    """A user-facing error: printed as one line, exit code 1."""
 
 
 @app.callback()
@@ -63,7 +61,7 @@ def up(
 ) -> None:
     """Run the whole service on this machine: embedded Redis and SQLite unless INFERQ_REDIS_URL /
     INFERQ_DATABASE_URL are set, the API, one worker and a demo tenant."""
-    from inferq.up import run_up
+    from deploy.launcher import run_up
 
     run_up(demo=demo, host=host, port=port, model=model, prompt=prompt)
 

@@ -21,7 +21,7 @@ import typer
 from inferq.log import configure_logging, get_logger
 from inferq.settings import Settings, get_settings
 
-log = get_logger("inferq.up")
+log = get_logger("deploy.launcher")
 
 
 def _embedded_services(settings: Settings) -> tuple[dict[str, str], object | None]:
@@ -108,7 +108,7 @@ def run_up(*, demo: bool, host: str, port: int, model: str | None, prompt: str) 
     engine.dispose()
 
     env = {**os.environ, **env_extra}
-    cli = [sys.executable, "-m", "inferq.cli"]
+    cli = [sys.executable, "-m", "deploy.cli"]
     procs = [
         subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)], env=env),
         subprocess.Popen([*cli, "worker"], env=env),

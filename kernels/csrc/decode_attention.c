@@ -1,0 +1,556 @@
+/* Batched decode attention straight from the paged KV cache: one query token per sequence against its first
+   lens[s] cached positions, K and V read once, block by block, where they lie (no gather into a padded copy),
+   softmax and sums in float32 whatever the cache element type (float32: decode_f32, bfloat16: decode_bf16).
+   Work items are shared out over torch's OpenMP threads.
+
+   Three paths: portable loops (any head dim and block size), AVX2 + FMA (head dims that are multiples of 8 up
+   to 128, power-of-two blocks), and, where built, AVX-512 work items for head dims that are multiples of 16.
+   set_generic / set_avx512 force a path at run time (tests, side-by-side timings). The paths share the argument
+   block, the passes and the output step, hence one file of ~550 lines. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define MAX_HEADS 64 /* query heads per work item of the vector paths */
+
+/* The arguments of decode_f32 / decode_bf16 (strides in elements). */
+typedef struct {
+    const float* q;
+    int64_t q_ss, q_hs;
+    paged_cache c;
+    const int32_t* bt;
+    int64_t bt_ss;
+    const int32_t* lens; /* context length of each sequence, its query token included */
+    float* out;
+    int64_t o_ss, o_hs;
+    int S, Hq, Hkv, D, max_len;
+    float scale;
+} decode_args;
+
+static int use_avx512 = 1;    /* the AVX-512 items where built; set_avx512(0) keeps the AVX2 ones */
+static int force_generic = 0; /* set_generic(1) routes every call to the portable loops */
+
+void set_avx512(int on) { use_avx512 = on; }
+void set_generic(int on) { force_generic = on; }
+int has_avx512(void) { return INFERQ_HAVE_AVX512; }
+/* 1 if the vector path is built in */
+int has_simd(void) { return vector_shape(16, 16); }
+
+/* ---- portable loops: one (sequence, kv head) item, its G query heads against all `len` positions ---- */
+
+/* pass 1: the scaled scores sc[g * len + p] and each query head's max m[g] */
+ALWAYS_INLINE void generic_scores(const int BF16, const decode_args* a, const float* q, const void* kc,
+                                  const int32_t* bt, int len, int G, float* sc, float* m) {
+    const int D = a->D, bs = a->c.bs, nblk = (len + bs - 1) / bs;
+    const int64_t c_bs = a->c.c_bs, c_ts = a->c.c_ts, q_hs = a->q_hs;
+    const float scale = a->scale;
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    for (int b = 0; b < nblk; b++) {
+        const int64_t base = (int64_t)bt[b] * c_bs;
+        const int n = (b == nblk - 1) ? len - b * bs : bs;
+        for (int t = 0; t < n; t++) {
+            const void* k = elem_at(kc, base + (int64_t)t * c_ts, BF16);
+            const int p = b * bs + t;
+            for (int g = 0; g < G; g++) {
+                const float* qg = q + (int64_t)g * q_hs;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qg[d] * load1(k, d, BF16);
+                s *= scale;
+                sc[(int64_t)g * len + p] = s;
+                if (s > m[g]) m[g] = s;
+            }
+        }
+    }
+}
+
+/* pass 3: acc[g * D + d] = the sum over positions of weight sc[g * len + p] times V */
+ALWAYS_INLINE void generic_vsum(const int BF16, const decode_args* a, const void* vc, const int32_t* bt, int len,
+                                int G, const float* sc, float* acc) {
+    const int D = a->D, bs = a->c.bs, nblk = (len + bs - 1) / bs;
+    const int64_t c_bs = a->c.c_bs, c_ts = a->c.c_ts;
+    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+    for (int b = 0; b < nblk; b++) {
+        const int64_t base = (int64_t)bt[b] * c_bs;
+        const int n = (b == nblk - 1) ? len - b * bs : bs;
+        for (int t = 0; t < n; t++) {
+            const void* v = elem_at(vc, base + (int64_t)t * c_ts, BF16);
+            const int p = b * bs + t;
+            for (int g = 0; g < G; g++) {
+                const float w = sc[(int64_t)g * len + p];
+                float* ag = acc + (int64_t)g * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) ag[d] += w * load1(v, d, BF16);
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void generic_item(const int BF16, const decode_args* a, int s, int h, float* sc, float* acc) {
+    const int G = a->Hq / a->Hkv, D = a->D, len = a->lens[s];
+    const float* q = a->q + s * a->q_ss + (int64_t)h * G * a->q_hs;
+    const int32_t* bt = a->bt + s * a->bt_ss;
+    float m[MAX_GROUP], sum[MAX_GROUP];
+    generic_scores(BF16, a, q, elem_at(a->c.k, h * a->c.c_hs, BF16), bt, len, G, sc, m);
+    for (int g = 0; g < G; g++) { /* pass 2: scores -> unnormalised softmax weights */
+        float* row = sc + (int64_t)g * len;
+        float z = 0.f;
+        const float mg = m[g];
+        for (int p = 0; p < len; p++) { const float e = expf(row[p] - mg); row[p] = e; z += e; }
+        sum[g] = z;
+    }
+    generic_vsum(BF16, a, elem_at(a->c.v, h * a->c.c_hs, BF16), bt, len, G, sc, acc);
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.f / sum[g];
+        float* o = a->out + s * a->o_ss + (int64_t)(h * G + g) * a->o_hs;
+        const float* ag = acc + (int64_t)g * D;
+        for (int d = 0; d < D; d++) o[d] = ag[d] * inv;
+    }
+}
+
+static void generic_item_f32(const decode_args* a, int s, int h, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    generic_item(0, &l, s, h, sc, acc);
+}
+static void generic_item_bf16(const decode_args* a, int s, int h, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    generic_item(1, &l, s, h, sc, acc);
+}
+
+static int decode_generic(int bf16, const decode_args* a) {
+    const int G = a->Hq / a->Hkv, S = a->S, Hkv = a->Hkv;
+    if (G > MAX_GROUP || G * Hkv != a->Hq) return 1;
+    int err = 0;
+#pragma omp parallel
+    {
+        float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(a->max_len > 0 ? a->max_len : 1));
+        float* acc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)a->D);
+        if (!sc || !acc) {
+#pragma omp atomic write
+            err = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < (int64_t)S * Hkv; i++) {
+            if (!sc || !acc) continue;
+            const int s = (int)(i / Hkv), h = (int)(i % Hkv);
+            if (a->lens[s] <= 0) continue;
+            if (bf16) generic_item_bf16(a, s, h, sc, acc);
+            else generic_item_f32(a, s, h, sc, acc);
+        }
+        free(sc);
+        free(acc);
+    }
+    return err;
+}
+
+#if INFERQ_HAVE_AVX2
+/* ---- vector paths: one item is kv heads [h0, h1) of one sequence ----
+   A cache row holds every kv head of one position, so walking positions in chunks of 8, heads inside, streams
+   each block once front to back (per-head items read rows at a stride the hardware prefetcher serves poorly).
+   Pass 1 writes the scores (scaled, -inf past len), pass 2 turns them into unnormalised softmax weights, pass 3
+   accumulates the weighted V rows chunk by chunk into acc (L1-resident), and the output is acc / sum. */
+
+/* Software prefetch of chunks this far ahead: the blocks are scattered, so the hardware prefetcher cannot run
+   ahead across them. */
+#define PF_CHUNKS 4
+
+/* Scores -> unnormalised softmax weights, in place: nh rows of lpad scores (lpad apart), row j against the max of
+   the lanes of mx[j]; inv[j] = 1 / the row's sum. */
+static void softmax_rows(float* sc, int nh, int lpad, const __m256* mx, float* inv) {
+    for (int j = 0; j < nh; j++) {
+        const __m256 m = hmax8(mx[j]);
+        float* row = sc + (int64_t)j * lpad;
+        __m256 z = _mm256_setzero_ps();
+        for (int i = 0; i < lpad; i += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));
+            _mm256_storeu_ps(row + i, e);
+            z = _mm256_add_ps(z, e);
+        }
+        inv[j] = 1.0f / hsum8(z);
+    }
+}
+
+/* out row of query head h * G + g = acc row j / its softmax sum, for the item's nh query heads */
+static void store_output(const decode_args* a, int s, int h0, int nh, const float* acc, const float* inv) {
+    const int ND = a->D / 8;
+    float* out = a->out + s * a->o_ss + (int64_t)h0 * (a->Hq / a->Hkv) * a->o_hs;
+    for (int j = 0; j < nh; j++) {
+        const __m256 sv = _mm256_set1_ps(inv[j]);
+        float* o = out + (int64_t)j * a->o_hs;
+        for (int c = 0; c < ND; c++)
+            _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)j * a->D + 8 * c), sv));
+    }
+}
+
+/* Prefetch the rows (all kv heads) of positions p0..p0+7 below len. Always inlined: to GCC a function that only
+   prefetches has no side effects, and a call to it out of line is deleted. */
+ALWAYS_INLINE void prefetch_rows(const void* base, const paged_cache* c, const int32_t* bt, int p0, int len,
+                                   int row_bytes, int es) {
+    for (int t = 0; t < 8 && p0 + t < len; t++) {
+        const char* r = (const char*)base + row_offset(c, bt, p0 + t) * es;
+        for (int l = 0; l < row_bytes; l += 64) _mm_prefetch(r + l, _MM_HINT_T0);
+    }
+}
+
+/* The row offsets of chunk b's 8 positions; past len (the last chunk) row 0 again, masked or skipped later. */
+static inline void chunk_offsets(const paged_cache* c, const int32_t* bt, int b, int n, int64_t* roff) {
+    for (int t = 0; t < 8; t++) roff[t] = row_offset(c, bt, b * 8 + (t < n ? t : 0));
+}
+
+/* AVX2 pass 1: sc[j * lpad + p] and the running max lanes mx[j] of each query head j of the item */
+ALWAYS_INLINE void scores_avx2(const int BF16, const decode_args* a, const float* q, const int32_t* bt, int len,
+                               int h0, int h1, float* sc, __m256* mx) {
+    const paged_cache* c = &a->c;
+    const int G = a->Hq / a->Hkv, ND = a->D / 8, nch = (len + 7) / 8, lpad = nch * 8, es = BF16 ? 2 : 4;
+    const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t roff[8];
+    for (int b = 0; b < nch; b++) {
+        const int n = (b == nch - 1) ? len - b * 8 : 8;
+        chunk_offsets(c, bt, b, n, roff);
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+        prefetch_rows(c->k, c, bt, (b + PF_CHUNKS) * 8, len, (int)(c->c_ts * es), es);
+        for (int h = h0; h < h1; h++) {
+            const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, BF16);
+            for (int g = 0; g < G; g++) {
+                const int j = (h - h0) * G + g;
+                const float* qg = q + (int64_t)(h * G + g) * a->q_hs;
+                const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(dot8(qg, k0, roff, ND, BF16), vscale), valid);
+                _mm256_storeu_ps(sc + (int64_t)j * lpad + b * 8, r);
+                mx[j] = _mm256_max_ps(mx[j], r);
+            }
+        }
+    }
+}
+
+/* a[0 .. 8 NC) += the weights w[t] times the n rows at v0 + roff[t], NC accumulators held in registers */
+ALWAYS_INLINE void vrow_avx2(const int BF16, const int NC, const void* v0, const int64_t* roff, int n,
+                             const float* w, float* a) {
+    __m256 r[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < NC; k++) r[k] = _mm256_loadu_ps(a + 8 * k);
+    for (int t = 0; t < n; t++) {
+        const __m256 wt = _mm256_set1_ps(w[t]);
+        const void* v = elem_at(v0, roff[t], BF16);
+#pragma GCC unroll 8
+        for (int k = 0; k < NC; k++) r[k] = _mm256_fmadd_ps(wt, load8(v, 8 * k, BF16), r[k]);
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < NC; k++) _mm256_storeu_ps(a + 8 * k, r[k]);
+}
+
+/* vrow_avx2 with its width made a compile-time constant */
+ALWAYS_INLINE void vrow_avx2n(const int BF16, int nc, const void* v0, const int64_t* roff, int n, const float* w,
+                              float* a) {
+    switch (nc) {
+        case 1: vrow_avx2(BF16, 1, v0, roff, n, w, a); break;
+        case 2: vrow_avx2(BF16, 2, v0, roff, n, w, a); break;
+        case 3: vrow_avx2(BF16, 3, v0, roff, n, w, a); break;
+        case 4: vrow_avx2(BF16, 4, v0, roff, n, w, a); break;
+        case 5: vrow_avx2(BF16, 5, v0, roff, n, w, a); break;
+        case 6: vrow_avx2(BF16, 6, v0, roff, n, w, a); break;
+        case 7: vrow_avx2(BF16, 7, v0, roff, n, w, a); break;
+        default: vrow_avx2(BF16, 8, v0, roff, n, w, a); break;
+    }
+}
+
+/* AVX2 pass 3: acc[j * D ..] = the weighted sum of V for each query head j (acc zeroed first) */
+ALWAYS_INLINE void vsum_avx2(const int BF16, const decode_args* a, const int32_t* bt, int len, int h0, int h1,
+                             const float* sc, float* acc) {
+    const paged_cache* c = &a->c;
+    const int G = a->Hq / a->Hkv, ND = a->D / 8, D = a->D, nch = (len + 7) / 8, lpad = nch * 8, es = BF16 ? 2 : 4;
+    int64_t roff[8];
+    for (int b = 0; b < nch; b++) {
+        const int n = (b == nch - 1) ? len - b * 8 : 8;
+        for (int t = 0; t < n; t++) roff[t] = row_offset(c, bt, b * 8 + t);
+        prefetch_rows(c->v, c, bt, (b + PF_CHUNKS) * 8, len, (int)(c->c_ts * es), es);
+        for (int h = h0; h < h1; h++) {
+            const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, BF16);
+            for (int g = 0; g < G; g++) {
+                const int j = (h - h0) * G + g;
+                const float* w = sc + (int64_t)j * lpad + b * 8;
+                float* aj = acc + (int64_t)j * D;
+                for (int c0 = 0; c0 < ND; c0 += 8) /* up to 8 accumulators in registers */
+                    vrow_avx2n(BF16, ND - c0 < 8 ? ND - c0 : 8, elem_at(v0, 8 * c0, BF16), roff, n, w, aj + 8 * c0);
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void item_avx2(const int BF16, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const int len = a->lens[s], nh = (h1 - h0) * (a->Hq / a->Hkv), lpad = (len + 7) / 8 * 8;
+    const int32_t* bt = a->bt + s * a->bt_ss;
+    __m256 mx[MAX_HEADS];
+    for (int j = 0; j < nh; j++) mx[j] = _mm256_set1_ps(-INFINITY);
+    scores_avx2(BF16, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
+    float inv[MAX_HEADS];
+    softmax_rows(sc, nh, lpad, mx, inv);
+    memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
+    vsum_avx2(BF16, a, bt, len, h0, h1, sc, acc);
+    store_output(a, s, h0, nh, acc, inv);
+}
+
+static void item_avx2_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item_avx2(0, &l, s, h0, h1, sc, acc);
+}
+static void item_avx2_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item_avx2(1, &l, s, h0, h1, sc, acc);
+}
+
+#if INFERQ_HAVE_AVX512
+/* AVX-512 items, for head dims that are multiples of 16 (one zmm per 16 values). Scores: the K row of each
+   position is loaded once per kv head and feeds up to 3 of its query heads (24 accumulators: 8 positions x 3
+   heads), folded to 8 lanes and summed across by transpose_sum8. The V sum: 3 query heads x 4 zmm of D per
+   pass. The prefetches of the rows PF_CHUNKS chunks ahead go one line per load, spread through the work instead
+   of in a burst. Same passes and results as the AVX2 item. */
+
+/* chunk_offsets, and, where chunk b + PF_CHUNKS exists, its row offsets for prefetching (clamped to len);
+   returns whether it exists */
+static inline int chunk_rows(const paged_cache* c, const int32_t* bt, int len, int nch, int b, int64_t* roff,
+                             int64_t* pfoff) {
+    const int n = (b == nch - 1) ? len - b * 8 : 8, pb = b + PF_CHUNKS;
+    chunk_offsets(c, bt, b, n, roff);
+    if (pb < nch)
+        for (int t = 0; t < 8; t++) pfoff[t] = row_offset(c, bt, pb * 8 + t < len ? pb * 8 + t : len - 1);
+    return pb < nch;
+}
+
+/* the scores of NG query heads (q_hs apart) against the 8 rows at k0 + roff[t]; prefetches pf0 + pfoff[t] */
+ALWAYS_INLINE void kdot512(const int BF16, const int NG, const float* q, int64_t q_hs, const void* k0,
+                           const int64_t* roff, const void* pf0, const int64_t* pfoff, int ND16, __m256* out) {
+    __m512 a[3][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) a[g][t] = _mm512_setzero_ps();
+    for (int c = 0; c < ND16; c++) {
+        __m512 qv[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; g++) qv[g] = _mm512_loadu_ps(q + g * q_hs + 16 * c);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const __m512 kv = load16(k0, roff[t] + 16 * c, BF16);
+            if (pf0) _mm_prefetch((const char*)elem_at(pf0, pfoff[t] + 16 * c, BF16), _MM_HINT_T0);
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; g++) a[g][t] = _mm512_fmadd_ps(qv[g], kv, a[g][t]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; g++) {
+        __m256 f[8];
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) f[t] = fold512(a[g][t]);
+        out[g] = transpose_sum8(f);
+    }
+}
+
+/* acc rows of NG query heads (D apart), NC zmm wide, += the weights w[g * wstride + t] times the n rows at
+   v0 + roff[t]; prefetches pf0 + pfoff[t] */
+ALWAYS_INLINE void vsum512(const int BF16, const int NG, const int NC, const void* v0, const int64_t* roff, int n,
+                           const float* w, int64_t wstride, float* acc, int D, const void* pf0,
+                           const int64_t* pfoff) {
+    __m512 r[3][4];
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) r[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+    for (int t = 0; t < n; t++) {
+        __m512 wt[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; g++) wt[g] = _mm512_set1_ps(w[g * wstride + t]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            const __m512 x = load16(v0, roff[t] + 16 * c, BF16);
+            if (pf0) _mm_prefetch((const char*)elem_at(pf0, pfoff[t] + 16 * c, BF16), _MM_HINT_T0);
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; g++) r[g][c] = _mm512_fmadd_ps(wt[g], x, r[g][c]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + g * D + 16 * c, r[g][c]);
+}
+
+/* kdot512 / vsum512 with their head and width counts made compile-time constants */
+ALWAYS_INLINE void kdot512n(const int BF16, int ng, const float* q, int64_t q_hs, const void* k0,
+                            const int64_t* roff, const void* pf0, const int64_t* pfoff, int ND16, __m256* out) {
+    if (ng == 3) kdot512(BF16, 3, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
+    else if (ng == 2) kdot512(BF16, 2, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
+    else kdot512(BF16, 1, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
+}
+
+ALWAYS_INLINE void vsum512n(const int BF16, int ng, int nc, const void* v0, const int64_t* roff, int n,
+                            const float* w, int64_t wstride, float* acc, int D, const void* pf0,
+                            const int64_t* pfoff) {
+    switch (ng * 4 + nc) {
+        case 5: vsum512(BF16, 1, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 6: vsum512(BF16, 1, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 8: vsum512(BF16, 1, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 9: vsum512(BF16, 2, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 10: vsum512(BF16, 2, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 12: vsum512(BF16, 2, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 13: vsum512(BF16, 3, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 14: vsum512(BF16, 3, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        default: vsum512(BF16, 3, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+    }
+}
+
+/* AVX-512 pass 1, as scores_avx2 */
+ALWAYS_INLINE void scores512(const int BF16, const decode_args* a, const float* q, const int32_t* bt, int len,
+                             int h0, int h1, float* sc, __m256* mx) {
+    const paged_cache* c = &a->c;
+    const int G = a->Hq / a->Hkv, ND16 = a->D / 16, nch = (len + 7) / 8, lpad = nch * 8;
+    const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t roff[8], pfoff[8] = {0}; /* pfoff: read only where chunk_rows filled it */
+    for (int b = 0; b < nch; b++) {
+        const int n = (b == nch - 1) ? len - b * 8 : 8;
+        const int pf = chunk_rows(c, bt, len, nch, b, roff, pfoff);
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+        for (int h = h0; h < h1; h++) {
+            const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, BF16);
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const int ng = G - g0 < 3 ? G - g0 : 3;
+                __m256 sv[3];
+                kdot512n(BF16, ng, q + (int64_t)(h * G + g0) * a->q_hs, a->q_hs, k0, roff,
+                         (pf && g0 == 0) ? k0 : 0, pfoff, ND16, sv);
+                for (int g = 0; g < ng; g++) {
+                    const int j = (h - h0) * G + g0 + g;
+                    const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(sv[g], vscale), valid);
+                    _mm256_storeu_ps(sc + (int64_t)j * lpad + b * 8, r);
+                    mx[j] = _mm256_max_ps(mx[j], r);
+                }
+            }
+        }
+    }
+}
+
+/* AVX-512 pass 3, as vsum_avx2 */
+ALWAYS_INLINE void vsum512_item(const int BF16, const decode_args* a, const int32_t* bt, int len, int h0, int h1,
+                                const float* sc, float* acc) {
+    const paged_cache* c = &a->c;
+    const int G = a->Hq / a->Hkv, D = a->D, ND16 = D / 16, nch = (len + 7) / 8, lpad = nch * 8;
+    const int nc = ND16 % 4 == 0 ? 4 : (ND16 % 2 == 0 ? 2 : 1);
+    int64_t roff[8], pfoff[8] = {0}; /* pfoff: read only where chunk_rows filled it */
+    for (int b = 0; b < nch; b++) {
+        const int n = (b == nch - 1) ? len - b * 8 : 8;
+        const int pf = chunk_rows(c, bt, len, nch, b, roff, pfoff);
+        for (int h = h0; h < h1; h++) {
+            const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, BF16);
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const int ng = G - g0 < 3 ? G - g0 : 3;
+                const int j = (h - h0) * G + g0;
+                for (int c0 = 0; c0 < ND16; c0 += nc) {
+                    const void* vc0 = elem_at(v0, 16 * c0, BF16);
+                    vsum512n(BF16, ng, nc, vc0, roff, n, sc + (int64_t)j * lpad + b * 8, lpad,
+                             acc + (int64_t)j * D + 16 * c0, D, (pf && g0 == 0) ? vc0 : 0, pfoff);
+                }
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void item512(const int BF16, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const int len = a->lens[s], nh = (h1 - h0) * (a->Hq / a->Hkv), lpad = (len + 7) / 8 * 8;
+    const int32_t* bt = a->bt + s * a->bt_ss;
+    __m256 mx[MAX_HEADS];
+    for (int j = 0; j < nh; j++) mx[j] = _mm256_set1_ps(-INFINITY);
+    scores512(BF16, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
+    float inv[MAX_HEADS];
+    softmax_rows(sc, nh, lpad, mx, inv);
+    memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
+    vsum512_item(BF16, a, bt, len, h0, h1, sc, acc);
+    store_output(a, s, h0, nh, acc, inv);
+}
+
+static void item512_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item512(0, &l, s, h0, h1, sc, acc);
+}
+static void item512_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item512(1, &l, s, h0, h1, sc, acc);
+}
+#endif /* INFERQ_HAVE_AVX512 */
+
+/* one vector work item: the AVX-512 form where `wide` (built, enabled, head dim a multiple of 16), else AVX2 */
+static inline void vector_item(int bf16, int wide, const decode_args* a, int s, int h0, int h1, float* sc,
+                               float* acc) {
+#if INFERQ_HAVE_AVX512
+    if (wide) {
+        if (bf16) item512_bf16(a, s, h0, h1, sc, acc);
+        else item512_f32(a, s, h0, h1, sc, acc);
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    if (bf16) item_avx2_bf16(a, s, h0, h1, sc, acc);
+    else item_avx2_f32(a, s, h0, h1, sc, acc);
+}
+
+/* the vector path: whole sequences per item when there are enough to share out, else one kv head per item */
+static int decode_vector(int bf16, const decode_args* a) {
+    const int G = a->Hq / a->Hkv, Hkv = a->Hkv, S = a->S;
+    if (G * Hkv != a->Hq || !vector_shape(a->D, a->c.bs)) return 1;
+    int per = (S >= 4 * omp_get_max_threads()) ? Hkv : 1; /* a single long sequence still uses every thread */
+    while (per > 1 && (per * G > MAX_HEADS || Hkv % per)) per--;
+    if (per * G > MAX_HEADS) return 1;
+    const int parts = Hkv / per, wide = INFERQ_HAVE_AVX512 && use_avx512 && (a->D / 8) % 2 == 0;
+    int err = 0;
+#pragma omp parallel
+    {
+        const unsigned int csr = flush_denormals(); /* results differ from IEEE by < 1e-38 */
+        const int lp = ((a->max_len > 0 ? a->max_len : 1) + 7) / 8 * 8;
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(per * G) * (size_t)lp);
+        float* acc = (float*)malloc(sizeof(float) * (size_t)(per * G) * (size_t)a->D);
+        if (!sc || !acc) {
+#pragma omp atomic write
+            err = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < (int64_t)S * parts; i++) {
+            if (!sc || !acc) continue;
+            const int s = (int)(i / parts), h0 = (int)(i % parts) * per;
+            if (a->lens[s] <= 0) continue;
+            vector_item(bf16, wide, a, s, h0, h0 + per, sc, acc);
+        }
+        free(sc);
+        free(acc);
+        _mm_setcsr(csr);
+    }
+    return err;
+}
+#endif /* INFERQ_HAVE_AVX2 */
+
+static int decode(int bf16, const decode_args* a) {
+#if INFERQ_HAVE_AVX2
+    if (vector_shape(a->D, a->c.bs) && !force_generic) return decode_vector(bf16, a);
+#endif
+    return decode_generic(bf16, a);
+}
+
+/* Attention of one query token per sequence: q [S, Hq, D] (sequence and head strides q_ss, q_hs), caches of
+   [blocks, bs, Hkv, D] (strides c_bs, c_ts, c_hs), block tables bt (row stride bt_ss), lens[S], out like q.
+   Returns 0, 1 where the shape is not handled, 2 where memory ran out. */
+int decode_f32(const float* q, int64_t q_ss, int64_t q_hs, const float* kc, const float* vc, int64_t c_bs,
+               int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
+               int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
+    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
+    return decode(0, &a);
+}
+
+int decode_bf16(const float* q, int64_t q_ss, int64_t q_hs, const uint16_t* kc, const uint16_t* vc, int64_t c_bs,
+                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
+                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
+    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
+    return decode(1, &a);
+}

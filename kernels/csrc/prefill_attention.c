@@ -1,0 +1,314 @@
+/* Causal prefill attention from the paged cache: every prefill chunk of a step in one call. Sequence s's chunk
+   of queries (positions ctx[s] onwards, their keys and values already written to the cache) attends to its keys
+   0 .. its last position, read where they lie, so a chunk with earlier context needs no gather.
+
+   A work item is one kv head x QB query rows (QB * G query vectors): keys are walked in chunks of 8 up to the
+   item's last position, scores by 8 FMA chains per query vector, an online softmax (running max and sum, the
+   accumulator rescaled when the max grows), and the weighted V sum register-blocked 3 query vectors x 4
+   vectors of D at a time, so each V load feeds 3 FMAs. The vector path only (AVX2 + FMA; its q.k and V sums
+   zmm-wide where AVX-512 is built and the head dim is a multiple of 16); elsewhere prefill_* return 1 and the
+   caller falls back. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define QB 8 /* query rows per work item */
+#define MAX_NQ (QB * MAX_GROUP)
+
+/* The arguments of prefill_f32 / prefill_bf16 (strides in elements). */
+typedef struct {
+    const float* q;
+    int64_t q_ts, q_hs;
+    paged_cache c;
+    const int32_t* bt;
+    int64_t bt_ss;
+    const int32_t* qs;  /* sequence s's queries are rows qs[s] .. qs[s + 1] */
+    const int32_t* ctx; /* ... at positions ctx[s] onwards */
+    float* out;
+    int64_t o_ts, o_hs;
+    int S, Hq, Hkv, D;
+    float scale;
+} prefill_args;
+
+int has_prefill(void) { return INFERQ_HAVE_AVX2; }
+
+#if INFERQ_HAVE_AVX2
+/* a[j * D + 8 c] += the weights w[j * 8 + t] times the 8 V rows at v0 + roff[t]: NJ query vectors, CW ymm wide */
+ALWAYS_INLINE void pv_avx2(const int BF16, const int NJ, const int CW, const void* v0, const int64_t* roff,
+                           const float* w, float* a, int D) {
+    __m256 r[3][4];
+#pragma GCC unroll 3
+    for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+        for (int c = 0; c < CW; c++) r[j][c] = _mm256_loadu_ps(a + (int64_t)j * D + 8 * c);
+    for (int t = 0; t < 8; t++) {
+        __m256 wt[3];
+#pragma GCC unroll 3
+        for (int j = 0; j < NJ; j++) wt[j] = _mm256_set1_ps(w[j * 8 + t]);
+#pragma GCC unroll 4
+        for (int c = 0; c < CW; c++) {
+            const __m256 x = load8(v0, roff[t] + 8 * c, BF16);
+#pragma GCC unroll 3
+            for (int j = 0; j < NJ; j++) r[j][c] = _mm256_fmadd_ps(wt[j], x, r[j][c]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+        for (int c = 0; c < CW; c++) _mm256_storeu_ps(a + (int64_t)j * D + 8 * c, r[j][c]);
+}
+
+/* the V sums of all nq query vectors of an item, ymm-wide (any head dim that is a multiple of 8) */
+ALWAYS_INLINE void pvall_avx2(const int BF16, int nq, int ND, const void* v0, const int64_t* roff, const float* w,
+                              float* acc, int D) {
+    for (int j0 = 0; j0 < nq; j0 += 3)
+        for (int c0 = 0; c0 < ND; c0 += 4) {
+            const void* v = elem_at(v0, 8 * c0, BF16);
+            const float* wj = w + j0 * 8;
+            float* a = acc + (int64_t)j0 * D + 8 * c0;
+            switch ((nq - j0 < 3 ? nq - j0 : 3) * 4 + (ND - c0 < 4 ? ND - c0 : 4)) {
+                case 5: pv_avx2(BF16, 1, 1, v, roff, wj, a, D); break;
+                case 6: pv_avx2(BF16, 1, 2, v, roff, wj, a, D); break;
+                case 7: pv_avx2(BF16, 1, 3, v, roff, wj, a, D); break;
+                case 8: pv_avx2(BF16, 1, 4, v, roff, wj, a, D); break;
+                case 9: pv_avx2(BF16, 2, 1, v, roff, wj, a, D); break;
+                case 10: pv_avx2(BF16, 2, 2, v, roff, wj, a, D); break;
+                case 11: pv_avx2(BF16, 2, 3, v, roff, wj, a, D); break;
+                case 12: pv_avx2(BF16, 2, 4, v, roff, wj, a, D); break;
+                case 13: pv_avx2(BF16, 3, 1, v, roff, wj, a, D); break;
+                case 14: pv_avx2(BF16, 3, 2, v, roff, wj, a, D); break;
+                case 15: pv_avx2(BF16, 3, 3, v, roff, wj, a, D); break;
+                default: pv_avx2(BF16, 3, 4, v, roff, wj, a, D); break;
+            }
+        }
+}
+
+#if INFERQ_HAVE_AVX512
+/* q . k for the 8 key rows at k0 + roff[t]: zmm-wide (half the instructions) where the head dim is a multiple of
+   16 */
+ALWAYS_INLINE __m256 qk(const int BF16, const float* q, const void* k0, const int64_t* roff, int ND) {
+    if (ND & 1) return dot8(q, k0, roff, ND, BF16);
+    __m512 a[8];
+    for (int t = 0; t < 8; t++) a[t] = _mm512_setzero_ps();
+    for (int c = 0; c < ND / 2; c++) {
+        const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+        for (int t = 0; t < 8; t++) a[t] = _mm512_fmadd_ps(qc, load16(k0, roff[t] + 16 * c, BF16), a[t]);
+    }
+    __m256 f[8];
+    for (int t = 0; t < 8; t++) f[t] = fold512(a[t]);
+    return transpose_sum8(f);
+}
+
+/* pv_avx2 with CW zmm of 16 values */
+ALWAYS_INLINE void pv512(const int BF16, const int NJ, const int CW, const void* v0, const int64_t* roff,
+                         const float* w, float* a, int D) {
+    __m512 r[3][4];
+#pragma GCC unroll 3
+    for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+        for (int c = 0; c < CW; c++) r[j][c] = _mm512_loadu_ps(a + (int64_t)j * D + 16 * c);
+    for (int t = 0; t < 8; t++) {
+        __m512 wt[3];
+#pragma GCC unroll 3
+        for (int j = 0; j < NJ; j++) wt[j] = _mm512_set1_ps(w[j * 8 + t]);
+#pragma GCC unroll 4
+        for (int c = 0; c < CW; c++) {
+            const __m512 x = load16(v0, roff[t] + 16 * c, BF16);
+#pragma GCC unroll 3
+            for (int j = 0; j < NJ; j++) r[j][c] = _mm512_fmadd_ps(wt[j], x, r[j][c]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+        for (int c = 0; c < CW; c++) _mm512_storeu_ps(a + (int64_t)j * D + 16 * c, r[j][c]);
+}
+
+/* pvall_avx2, zmm-wide where the head dim is a multiple of 16 */
+ALWAYS_INLINE void pvall(const int BF16, int nq, int ND, const void* v0, const int64_t* roff, const float* w,
+                         float* acc, int D) {
+    if (ND & 1) {
+        pvall_avx2(BF16, nq, ND, v0, roff, w, acc, D);
+        return;
+    }
+    const int N16 = ND / 2;
+    for (int j0 = 0; j0 < nq; j0 += 3)
+        for (int c0 = 0; c0 < N16; c0 += 4) {
+            const void* v = elem_at(v0, 16 * c0, BF16);
+            const float* wj = w + j0 * 8;
+            float* a = acc + (int64_t)j0 * D + 16 * c0;
+            switch ((nq - j0 < 3 ? nq - j0 : 3) * 4 + (N16 - c0 < 4 ? N16 - c0 : 4)) {
+                case 5: pv512(BF16, 1, 1, v, roff, wj, a, D); break;
+                case 6: pv512(BF16, 1, 2, v, roff, wj, a, D); break;
+                case 7: pv512(BF16, 1, 3, v, roff, wj, a, D); break;
+                case 8: pv512(BF16, 1, 4, v, roff, wj, a, D); break;
+                case 9: pv512(BF16, 2, 1, v, roff, wj, a, D); break;
+                case 10: pv512(BF16, 2, 2, v, roff, wj, a, D); break;
+                case 11: pv512(BF16, 2, 3, v, roff, wj, a, D); break;
+                case 12: pv512(BF16, 2, 4, v, roff, wj, a, D); break;
+                case 13: pv512(BF16, 3, 1, v, roff, wj, a, D); break;
+                case 14: pv512(BF16, 3, 2, v, roff, wj, a, D); break;
+                case 15: pv512(BF16, 3, 3, v, roff, wj, a, D); break;
+                default: pv512(BF16, 3, 4, v, roff, wj, a, D); break;
+            }
+        }
+}
+#else
+ALWAYS_INLINE __m256 qk(const int BF16, const float* q, const void* k0, const int64_t* roff, int ND) {
+    return dot8(q, k0, roff, ND, BF16);
+}
+ALWAYS_INLINE void pvall(const int BF16, int nq, int ND, const void* v0, const int64_t* roff, const float* w,
+                         float* acc, int D) {
+    pvall_avx2(BF16, nq, ND, v0, roff, w, acc, D);
+}
+#endif /* INFERQ_HAVE_AVX512 */
+
+/* pvall out of line, one copy per cache type, as the item's own registers are better left to its softmax step */
+static __attribute__((noinline)) void pvall_f32(int nq, int ND, const void* v0, const int64_t* roff, const float* w,
+                                                float* acc, int D) {
+    pvall(0, nq, ND, v0, roff, w, acc, D);
+}
+static __attribute__((noinline)) void pvall_bf16(int nq, int ND, const void* v0, const int64_t* roff, const float* w,
+                                                 float* acc, int D) {
+    pvall(1, nq, ND, v0, roff, w, acc, D);
+}
+
+/* One item's online-softmax step for the key chunk at kb (rows k0 + roff[t]): w[j * 8 + t] = the weight of
+   key kb + t for query vector j (0 where masked), m / l the running max / sum, acc rescaled where m grows. */
+ALWAYS_INLINE void chunk_weights(const int BF16, const prefill_args* a, const float* q, const void* k0,
+                                 const int64_t* roff, int kb, int first_pos, int nr, int h, float* m, float* l,
+                                 float* acc, float* w) {
+    const int G = a->Hq / a->Hkv, ND = a->D / 8, D = a->D;
+    const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i kpos = _mm256_add_epi32(_mm256_set1_epi32(kb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int r = 0; r < nr; r++) {
+        const int pos = first_pos + r;
+        /* lanes with key position <= pos are visible */
+        const __m256 vis = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(pos + 1), kpos));
+        for (int g = 0; g < G; g++) {
+            const int j = r * G + g;
+            float* wj = w + j * 8;
+            if (kb > pos) { _mm256_storeu_ps(wj, _mm256_setzero_ps()); continue; }
+            const float* qj = q + (int64_t)r * a->q_ts + (int64_t)(h * G + g) * a->q_hs;
+            const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(qk(BF16, qj, k0, roff, ND), vscale), vis);
+            const float cm = _mm256_cvtss_f32(hmax8(sv));
+            if (cm > m[j]) { /* a new running max: rescale what is accumulated so far */
+                const float alpha = m[j] == -INFINITY ? 0.f : expf(m[j] - cm);
+                const __m256 va = _mm256_set1_ps(alpha);
+                float* aj = acc + (int64_t)j * D;
+                for (int c = 0; c < ND; c++) _mm256_storeu_ps(aj + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * c), va));
+                l[j] *= alpha;
+                m[j] = cm;
+            }
+            const __m256 e = exp256(_mm256_sub_ps(sv, _mm256_set1_ps(m[j])));
+            l[j] += hsum8(e);
+            _mm256_storeu_ps(wj, e);
+        }
+    }
+}
+
+/* Work item: kv head h, query rows r0 .. r0 + nr of sequence s. */
+ALWAYS_INLINE void pitem(const int BF16, const prefill_args* a, int s, int r0, int nr, int h, float* acc,
+                         float* w) {
+    const paged_cache* c = &a->c;
+    const int G = a->Hq / a->Hkv, nq = nr * G, ND = a->D / 8, D = a->D;
+    const int first_pos = a->ctx[s] + r0, last = first_pos + nr - 1; /* the item's last query position */
+    const int32_t* bt = a->bt + s * a->bt_ss;
+    const float* q = a->q + (int64_t)(a->qs[s] + r0) * a->q_ts;
+    const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, BF16);
+    const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, BF16);
+    float m[MAX_NQ], l[MAX_NQ];
+    for (int j = 0; j < nq; j++) { m[j] = -INFINITY; l[j] = 0.f; }
+    memset(acc, 0, sizeof(float) * (size_t)nq * (size_t)D);
+    int64_t roff[8];
+    for (int kb = 0; kb <= last; kb += 8) {
+        for (int t = 0; t < 8; t++) /* keys past the last position re-read row 0: masked */
+            roff[t] = row_offset(c, bt, kb + t <= last ? kb + t : 0);
+        chunk_weights(BF16, a, q, k0, roff, kb, first_pos, nr, h, m, l, acc, w);
+        (BF16 ? pvall_bf16 : pvall_f32)(nq, ND, v0, roff, w, acc, D);
+    }
+    float* out = a->out + (int64_t)(a->qs[s] + r0) * a->o_ts;
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < G; g++) {
+            const int j = r * G + g;
+            const __m256 sinv = _mm256_set1_ps(1.0f / l[j]);
+            float* o = out + (int64_t)r * a->o_ts + (int64_t)(h * G + g) * a->o_hs;
+            for (int k = 0; k < ND; k++)
+                _mm256_storeu_ps(o + 8 * k, _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)j * D + 8 * k), sinv));
+        }
+}
+
+static void pitem_f32(const prefill_args* a, int s, int r0, int nr, int h, float* acc, float* w) {
+    const prefill_args l = *a; /* a local copy: vector stores cannot alias it */
+    pitem(0, &l, s, r0, nr, h, acc, w);
+}
+static void pitem_bf16(const prefill_args* a, int s, int r0, int nr, int h, float* acc, float* w) {
+    const prefill_args l = *a; /* a local copy: vector stores cannot alias it */
+    pitem(1, &l, s, r0, nr, h, acc, w);
+}
+
+/* Shares the items out, last first (the long causal items, late rows of long sequences, balance better first). */
+static int prefill(int bf16, const prefill_args* a) {
+    const int G = a->Hq / a->Hkv, Hkv = a->Hkv, S = a->S;
+    if (G * Hkv != a->Hq || G > MAX_GROUP || !vector_shape(a->D, a->c.bs)) return 1;
+    int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (size_t)(S + 1)); /* first item of each sequence */
+    if (!first) return 2;
+    first[0] = 0;
+    for (int s = 0; s < S; s++) first[s + 1] = first[s] + (int64_t)Hkv * ((a->qs[s + 1] - a->qs[s] + QB - 1) / QB);
+    const int64_t items = first[S];
+    int err = 0;
+#pragma omp parallel
+    {
+        const unsigned int csr = flush_denormals();
+        float* acc = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * (size_t)a->D);
+        float* w = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * 8);
+        if (!acc || !w) {
+#pragma omp atomic write
+            err = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = items - 1; i >= 0; i--) {
+            if (!acc || !w) continue;
+            int s = 0;
+            while (first[s + 1] <= i) s++;
+            const int64_t local = i - first[s];
+            const int h = (int)(local % Hkv), r0 = (int)(local / Hkv) * QB, lq = a->qs[s + 1] - a->qs[s];
+            const int nr = lq - r0 < QB ? lq - r0 : QB;
+            if (bf16) pitem_bf16(a, s, r0, nr, h, acc, w);
+            else pitem_f32(a, s, r0, nr, h, acc, w);
+        }
+        free(acc);
+        free(w);
+        _mm_setcsr(csr);
+    }
+    free(first);
+    return err;
+}
+#else
+static int prefill(int bf16, const prefill_args* a) {
+    (void)bf16;
+    (void)a;
+    return 1;
+}
+#endif /* INFERQ_HAVE_AVX2 */
+
+/* Queries q [T, Hq, D] (row and head strides q_ts, q_hs), caches [blocks, bs, Hkv, D] (strides c_bs, c_ts,
+   c_hs), block tables bt (row stride bt_ss), S sequences as in prefill_args, out like q. Returns 0, 1 where the
+   shape is not handled (the caller falls back), 2 where memory ran out. */
+int prefill_f32(const float* q, int64_t q_ts, int64_t q_hs, const float* kc, const float* vc, int64_t c_bs,
+                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
+                float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
+    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
+                            o_hs, S, Hq, Hkv, D, scale};
+    return prefill(0, &a);
+}
+
+int prefill_bf16(const float* q, int64_t q_ts, int64_t q_hs, const uint16_t* kc, const uint16_t* vc, int64_t c_bs,
+                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
+                 float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
+    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
+                            o_hs, S, Hq, Hkv, D, scale};
+    return prefill(1, &a);
+}
