@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import psycopg
 import redis.exceptions as redis_exc
 import sqlalchemy.exc as sa_exc
 from fastapi import FastAPI, Request
@@ -122,7 +123,9 @@ def install_handlers(app: FastAPI) -> None:
         log.warning("database unavailable", error=str(exc)[:300])
         return _json(503, "unavailable", db_unavailable_reason(exc), headers={"Retry-After": "5"})
 
-    for cls in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError):
+    # psycopg's own errors too: the admission fast path runs statements on raw pooled psycopg connections
+    for cls in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError,
+                psycopg.OperationalError, psycopg.InterfaceError):
         app.add_exception_handler(cls, _db_down)
 
     async def _redis_down(_: Request, exc: Exception) -> JSONResponse:

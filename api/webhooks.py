@@ -79,9 +79,28 @@ def _allowed(host: str, addrs: list[IPAddress], allowlist: list[str]) -> bool:
     return bool(addrs) and bool(nets) and all(any(a in n for n in nets if a.version == n.version) for a in addrs)
 
 
+# IPv6 forms that carry an IPv4 address a gateway will reach: NAT64 (RFC 6052 well-known prefix, RFC 8215
+# local-use prefix) and IPv4-compatible addresses (::a.b.c.d, deprecated but still routed by some stacks)
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+_V4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def _embedded_ipv4(addr: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address leads to: mapped, 6to4, Teredo (server and client), NAT64,
+    IPv4-compatible. A webhook to any of them reaches that IPv4 host, so each must be public too."""
+    found = [a for a in (addr.ipv4_mapped, addr.sixtofour) if a is not None]
+    if addr.teredo is not None:
+        found.extend(addr.teredo)
+    if any(addr in net for net in _NAT64) or (addr in _V4_COMPATIBLE and int(addr) > 1):
+        found.append(ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF))
+    return found
+
+
 def _public(addr: IPAddress) -> bool:
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
+    if isinstance(addr, ipaddress.IPv6Address):
+        embedded = _embedded_ipv4(addr)
+        if embedded:
+            return all(_public(a) for a in embedded)
     return addr.is_global and not addr.is_multicast
 
 
