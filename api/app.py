@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import metrics
 from api.auth import KeyCache
+from api.body_limit import BodySizeLimit
 from api.errors import first_line, install_handlers
 from api.events import StreamLimiter
 from api.health import RedisHealth
@@ -131,6 +132,7 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
     app.state.inferq = state
     install_handlers(app)
     app.add_middleware(metrics.MetricsMiddleware)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     _include_routers(app)
     _install_openapi(app)
     _add_ops_routes(app, state)

@@ -108,7 +108,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         types = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-                 406: "not_acceptable", 415: "unsupported_media_type"}
+                 406: "not_acceptable", 413: "payload_too_large", 415: "unsupported_media_type"}
         return _json(exc.status_code, types.get(exc.status_code, "error"), str(exc.detail),
                      headers=getattr(exc, "headers", None))
 

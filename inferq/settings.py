@@ -99,6 +99,9 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     api_workers: int = Field(1, ge=1, description="Uvicorn worker processes for `inferq api` (one per core for the highest submission rate).")
+    max_request_bytes: int = Field(
+        4 << 20, ge=1024, description="Largest request body the API reads (413 above); the largest prompt the "
+        "job schema accepts (1,000,000 characters) fits with room for JSON escapes.")
     default_max_queued_jobs: int = Field(1000, description="Per-tenant cap on queued jobs (429 above).")
     default_tokens_per_minute: int = Field(2_000_000, description="Per-tenant token rate limit (429 above).")
     tier_queue_cap: int = Field(100_000, description="Per-tier cap on queued jobs (429 above).")

@@ -1,16 +1,19 @@
-"""Issue 18 regressions over real HTTP, Redis and PostgreSQL: webhook URLs that reach a private IPv4 host
+"""Issue 18 regressions over real HTTP, Redis and PostgreSQL: request bodies over the size limit are 413,
+webhook URLs that reach a private IPv4 host
 through an IPv6 transition form are refused, and a PostgreSQL outage in the middle of the service's life
 (the admission path's pooled raw connections break) answers 503 with a reason on every route, never a 500,
 and the service recovers by itself."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
+from inferq.db import Job
 from tests.service_fixtures import TcpProxy
 
 BODY = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0}
@@ -67,3 +70,24 @@ def test_database_outage_mid_life_is_503_then_recovers(serve, proxied, tenant, r
             time.sleep(0.2)
         assert r.status_code == 202, r.text
         assert c.get("/v1/jobs", headers=tenant.headers).status_code == 200
+
+
+def test_body_over_the_limit_is_413(serve, settings, tenant, redis_client, db):
+    small = settings.model_copy(update={"max_request_bytes": 4096})
+    with httpx.Client(base_url=serve(small), timeout=30) as c:
+        big = {**BODY, "prompt": "word " * 2000}  # ~10 kB of JSON
+        r = c.post("/v1/jobs", json=big, headers=tenant.headers)  # declared Content-Length
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "payload_too_large" and "4096 bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it arrives
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+
+        r = c.post("/v1/jobs", content=chunks(), headers={**tenant.headers, "content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "payload_too_large"
+        assert c.post("/v1/jobs", json=BODY, headers=tenant.headers).status_code == 202  # a normal body still runs
+    with db() as s:  # nothing of the refused bodies was stored
+        assert s.query(Job).filter(Job.tenant_id == tenant.tenant_id).count() == 1
