@@ -39,9 +39,14 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
 
-    max_tokens: int = 16
+    These field defaults are the ONE definition of the request defaults: the public API's (``max_tokens``
+    256, docs/API.md), the job message's and the offline ``inferq generate`` schema's. ``inferq.contract``
+    exports them as ``DEFAULT_*`` (written here because the scheduler may not import the contract).
+    """
+
+    max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k

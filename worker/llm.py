@@ -1,7 +1,8 @@
 """Offline generation: ``LLM(model=...).generate(lines)`` runs a list of JSONL-schema requests to the end.
 
 Every line is validated on its own; a bad line becomes ``{"id": ..., "error": "..."}`` in its place and
-never stops the others. Outputs come back in input order.
+never stops the others. Outputs come back in input order. A field a line leaves out takes the same default
+as a REST job (``inferq.contract.DEFAULT_*``, e.g. ``max_tokens`` 256).
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from inferq.contract import (
+    DEFAULT_IGNORE_EOS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+)
 from inferq.log import get_logger
 from scheduler.request import Request, SamplingParams, Tier
 
@@ -32,13 +40,13 @@ class GenerateRequest(BaseModel):
     prompt: str | None = None
     messages: list[Message] | None = None
     prompt_ids: list[int] | None = None
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)
+    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0)
+    top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0)
+    top_k: int = Field(DEFAULT_TOP_K, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = DEFAULT_IGNORE_EOS
     tier: Literal["interactive", "batch"] = "batch"
     priority: int = 0
 
