@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
@@ -21,16 +22,23 @@ from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from api import metrics
+from api.admission import ModelAdmission
 from api.auth import KeyCache
 from api.body_limit import BodySizeLimit
+from api.docs_pages import install_docs
 from api.errors import first_line, install_handlers
 from api.events import StreamLimiter
 from api.health import RedisHealth
+from api.routes_files import upload_body_limit
 from api.routes_jobs import SubmitBatcher
 from api.schemas import Health, Readiness
 from api.validation import NO_NUL_PATTERN
+from inferq import __version__
 from inferq.db import make_engine, make_sessionmaker
 from inferq.log import configure_logging, get_logger
+from inferq.models_registry import MAX_NAME_LENGTH as MAX_MODEL_NAME_LENGTH
+from inferq.models_registry import NAME_PATTERN as MODEL_NAME_PATTERN
+from inferq.models_registry import ModelCatalog
 from inferq.settings import Settings, get_settings
 
 log = get_logger("inferq.api")
@@ -71,6 +79,8 @@ class AppState:
         self.streams = StreamLimiter(settings.sse_max_streams)
         self.key_cache = KeyCache(auth_cache_seconds)
         self.redis_health = RedisHealth()
+        self.models = ModelCatalog(self.redis, settings.stream_prefix)  # what the workers serve (their heartbeats)
+        self.admission = ModelAdmission(self.models, settings.model)
         # POST /v1/jobs: the blocking part of a submission (database, XADD) runs here, one hop per request;
         # a few threads keep both the connections and the GIL hand-offs per request low
         self.submit_executor = ThreadPoolExecutor(max_workers=SUBMIT_THREADS,
@@ -122,7 +132,9 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
     state = AppState(settings, auth_cache_seconds=auth_cache_seconds)
     app = FastAPI(
         title="inferq",
-        version="1.0.0",
+        version=__version__,
+        docs_url=None,  # served from the installed package by api.docs_pages, not from a CDN
+        redoc_url=None,
         summary="Redis-queue-driven asynchronous LLM inference.",
         description=DESCRIPTION,
         openapi_tags=TAGS,
@@ -132,9 +144,11 @@ def create_app(settings: Settings | None = None, *, webhooks: bool = True, auth_
     app.state.inferq = state
     install_handlers(app)
     app.add_middleware(metrics.MetricsMiddleware)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
+                       path_limits={"/v1/files": upload_body_limit(settings)})
     _include_routers(app)
     _install_openapi(app)
+    install_docs(app)
     _add_ops_routes(app, state)
     return app
 
@@ -159,11 +173,19 @@ def _lifespan(state: AppState, *, webhooks: bool) -> Callable[[FastAPI], Abstrac
 
 
 def _include_routers(app: FastAPI) -> None:
+    from api.routes_batches import router as batches_router
+    from api.routes_files import router as files_router
     from api.routes_jobs import router as jobs_router
+    from api.routes_models import router as models_router
+    from api.routes_openai import router as openai_router
     from api.routes_usage import router as usage_router
 
     app.include_router(jobs_router)
     app.include_router(usage_router)
+    app.include_router(openai_router)
+    app.include_router(models_router)
+    app.include_router(files_router)
+    app.include_router(batches_router)
 
 
 def _install_openapi(app: FastAPI) -> None:
@@ -186,8 +208,10 @@ def _add_ops_routes(app: FastAPI, state: AppState) -> None:
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"], response_model=Readiness, summary="Readiness: database and Redis reachable.",
-             responses={503: {"model": Readiness, "description": "A dependency is unreachable; `checks` says why."}})
+    @app.get("/readyz", tags=["ops"], response_model=Readiness,
+             summary="Readiness: database and Redis reachable, and a worker serving a model.",
+             responses={503: {"model": Readiness, "description": "A dependency is unreachable or no worker serves "
+                              "any model; `checks` says why."}})
     def readyz() -> JSONResponse:
         return _readiness(state)
 
@@ -200,7 +224,10 @@ def _add_ops_routes(app: FastAPI, state: AppState) -> None:
 
 
 def _readiness(state: AppState) -> JSONResponse:
-    checks = {"database": "ok", "redis": "ok"}
+    """Ready when the database and Redis answer and at least one worker serves a model (its heartbeat in the
+    model registry is current); ``models`` lists the live workers of every known model."""
+    checks = {"database": "ok", "redis": "ok", "workers": "ok"}
+    models: dict[str, list[str]] = {}
     try:
         with state.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
@@ -208,16 +235,25 @@ def _readiness(state: AppState) -> JSONResponse:
         checks["database"] = f"unreachable: {first_line(exc)}"
     try:
         state.redis.ping()
+        models = state.models.serving()
     except Exception as exc:
         checks["redis"] = f"unreachable: {first_line(exc)}"
+        checks["workers"] = "unknown: redis unreachable"
+    else:
+        if not any(models.values()):
+            checks["workers"] = ("no worker serves any model yet (a starting worker registers once its model is "
+                                 "loaded)" if models else "no worker has registered a model")
     ok = all(v == "ok" for v in checks.values())
-    return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503)
+    return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks, "models": models},
+                        status_code=200 if ok else 503)
 
 
 def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:
     """What pydantic cannot say about JobCreate (so generated clients and schemathesis know it): exactly
-    one of prompt, messages, prompt_ids (a oneOf), and no NUL characters in stored text."""
+    one of prompt, messages, prompt_ids (a oneOf), and no NUL characters in stored text. FastAPI's stock
+    422 is dropped where a route answers its own way (OpenAI-shaped routes answer 400)."""
     schemas = spec.get("components", {}).get("schemas", {})
+    _drop_stock_validation_errors(spec)
     job = schemas.get("JobCreate")
     if job is not None:
         props = job.get("properties", {})
@@ -225,6 +261,9 @@ def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:
             for alt in props.get(name, {}).get("anyOf", []):
                 if alt.get("type") == "string":
                     alt["pattern"] = NO_NUL_PATTERN
+        for alt in props.get("model", {}).get("anyOf", []):  # a model name (inferq.models_registry.name_problem)
+            if alt.get("type") == "string":
+                alt.update(pattern=MODEL_NAME_PATTERN, maxLength=MAX_MODEL_NAME_LENGTH)
         stop_items = props.get("stop", {}).get("items")
         if stop_items is not None:
             stop_items["pattern"] = NO_NUL_PATTERN
@@ -232,12 +271,29 @@ def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:
     if content is not None:
         content["pattern"] = NO_NUL_PATTERN
     if job is not None and "oneOf" not in job:
-        job["oneOf"] = [
-            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-            {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
-            {"required": ["prompt_ids"], "properties": {"prompt_ids": {"type": "array"}}},
+        job["oneOf"] = [  # titled, so that docs and generated clients name the variants
+            {"title": "JobCreate with prompt", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            {"title": "JobCreate with messages", "required": ["messages"],
+             "properties": {"messages": {"type": "array"}}},
+            {"title": "JobCreate with prompt_ids", "required": ["prompt_ids"],
+             "properties": {"prompt_ids": {"type": "array"}}},
         ]
     return spec
+
+
+def _drop_stock_validation_errors(spec: dict[str, Any]) -> None:
+    """FastAPI documents a 422 ``HTTPValidationError`` on every route with parameters, but no route answers
+    it: inferq's routes document their own 422 (``INVALID``) and the OpenAI-shaped ones answer 400."""
+    stock = "#/components/schemas/HTTPValidationError"
+    for operations in spec.get("paths", {}).values():
+        for op in operations.values():
+            responses = op.get("responses", {})
+            if stock in json.dumps(responses.get("422", {})):
+                del responses["422"]
+    schemas = spec.get("components", {}).get("schemas", {})
+    if stock not in json.dumps(spec.get("paths", {})):
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
 
 
 def create_app_without_webhooks() -> FastAPI:

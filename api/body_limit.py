@@ -22,21 +22,23 @@ def too_large_reason(limit: int) -> str:
 class BodySizeLimit:
     """Pure ASGI middleware (it must see the body stream, which ``BaseHTTPMiddleware`` would buffer)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = path_limits or {}  # paths with a limit of their own (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await _send_413(send, self.max_bytes)
+        if declared is not None and declared > limit:
+            await _send_413(send, limit)
             return
-        await self.app(scope, self._counting(receive), send)
+        await self.app(scope, self._counting(receive, limit), send)
 
-    def _counting(self, receive: Receive) -> Receive:
+    def _counting(self, receive: Receive, limit: int) -> Receive:
         seen = 0
 
         async def counted() -> Message:
@@ -44,8 +46,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:  # the route's body parsing re-raises HTTPException as it is
-                    raise HTTPException(413, too_large_reason(self.max_bytes))
+                if seen > limit:  # the route's body parsing re-raises HTTPException as it is
+                    raise HTTPException(413, too_large_reason(limit))
             return message
 
         return counted

@@ -1,6 +1,6 @@
 """The Celery application: same Redis as the job transport (``settings.broker_url`` /
-``settings.result_backend``, both default to ``redis_url``), one queue named after
-``settings.stream_prefix`` (default ``inferq``).
+``settings.result_backend``, both default to ``redis_url``), a queue named after ``settings.stream_prefix``
+(default ``inferq``) plus Celery's default queue ``celery``.
 
 Tasks (``api/tasks.py``): ``inferq.submit`` → job id; ``inferq.generate`` → the finished job as
 ``GET /v1/jobs/{id}`` returns it. Keyword arguments are the REST body fields plus ``api_key`` (and
@@ -10,8 +10,13 @@ Client side, without importing inferq::
 
     from celery import Celery
     app = Celery(broker="redis://127.0.0.1:6379/0", backend="redis://127.0.0.1:6379/0")
-    r = app.send_task("inferq.generate", kwargs={"api_key": KEY, "prompt": "Hi", "max_tokens": 16}, queue="inferq")
+    r = app.send_task("inferq.generate", kwargs={"api_key": KEY, "prompt": "Hi", "max_tokens": 16})
     print(r.get(timeout=120)["text"])
+
+The worker consumes Celery's default queue too (``settings.celery_consume_default_queue``), so ``queue=``
+may be left out; ``queue="inferq"`` still works. Task failures a client causes (``Unauthorized``,
+``InvalidRequest``, quota, conflict) and failed or timed-out jobs are expected outcomes: the worker logs
+them as one line ("raised expected"), never as an error with a traceback (``api.tasks``' ``throws``).
 """
 
 from __future__ import annotations
@@ -19,12 +24,25 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
+from celery.app.defaults import DEFAULTS
 
 from inferq.settings import Settings, get_settings
+
+CELERY_DEFAULT_QUEUE: str = DEFAULTS["task_default_queue"]  # "celery": where a client's send_task goes by default
 
 
 def queue_name(settings: Settings) -> str:
     return settings.stream_prefix
+
+
+def consumed_queues(settings: Settings) -> list[str]:
+    """The queues ``inferq celery-worker`` consumes: its own and, unless turned off, Celery's default one, so
+    that the natural ``send_task("inferq.generate", kwargs=...)`` without ``queue=`` is served, not left
+    waiting until the client's timeout."""
+    queues = [queue_name(settings)]
+    if settings.celery_consume_default_queue and CELERY_DEFAULT_QUEUE not in queues:
+        queues.append(CELERY_DEFAULT_QUEUE)
+    return queues
 
 
 def make_celery(settings: Settings | None = None) -> Celery:

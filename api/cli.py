@@ -1,4 +1,4 @@
-"""CLI commands of the API area, registered by ``deploy/cli.py``: ``inferq api``, ``inferq tenants create|show``,
+"""CLI commands of the API area, registered by ``deploy/cli.py``: ``inferq api``, ``inferq tenants create|show|set-weight``,
 ``inferq keys create|revoke``, ``inferq report``, ``inferq celery-worker``, ``inferq webhooks``.
 Plain functions with typer defaults; nothing here imports torch."""
 
@@ -90,6 +90,7 @@ def tenants_show(name: str = typer.Argument(..., help="Tenant name.")) -> None:
         typer.echo(f"created:            {t.created_at.isoformat()}")
         typer.echo(f"max queued jobs:    {t.max_queued_jobs if t.max_queued_jobs is not None else f'{settings.default_max_queued_jobs} (default)'}")
         typer.echo(f"tokens per minute:  {t.tokens_per_minute if t.tokens_per_minute is not None else f'{settings.default_tokens_per_minute} (default)'}")
+        typer.echo(f"fair-share weight:  {t.fair_share_weight:g}")
         typer.echo(f"cache namespace:    {t.cache_namespace}")
         typer.echo(f"webhook secret:     {t.webhook_secret}")
         counts = dict(s.execute(select(Job.status, func.count()).where(Job.tenant_id == t.id).group_by(Job.status)).all())
@@ -100,19 +101,45 @@ def tenants_show(name: str = typer.Argument(..., help="Tenant name.")) -> None:
             typer.echo(f"  {k.prefix}  {'admin' if k.is_admin else 'user '}  {state}  created {k.created_at.isoformat()}")
 
 
+def tenants_set_weight(
+    name: str = typer.Argument(..., help="Tenant name."),
+    weight: float = typer.Argument(..., help="Fair-share weight (> 0; default 1.0): 2 gets twice the tokens of 1."),
+) -> None:
+    """Set a tenant's fair-share weight: its share of its tier's admitted tokens while other tenants are busy."""
+    from api.tenants import TenantError, set_fair_share_weight
+
+    try:
+        tenant = set_fair_share_weight(_db(), name, weight)
+    except TenantError as exc:
+        raise _error(str(exc)) from None
+    typer.echo(f"tenant {tenant.name}: fair-share weight {tenant.fair_share_weight:g} (new jobs carry it)")
+
+
 def keys_create(
-    tenant: str = typer.Argument(..., help="Tenant name."),
+    tenant_name: str | None = typer.Argument(None, metavar="TENANT", help="Tenant name (or --tenant NAME)."),
+    tenant_option: str | None = typer.Option(None, "--tenant", help="Tenant name (or positionally)."),
     admin: bool = typer.Option(False, "--admin", help="Admin key (may read /v1/admin/usage)."),
 ) -> None:
     """Create an API key; the key is printed once (only its sha256 is stored)."""
     from api.tenants import TenantError, create_key
 
+    tenant = _one_tenant(tenant_name, tenant_option)
     try:
         k = create_key(_db(), tenant, admin=admin)
     except TenantError as exc:
         raise _error(str(exc)) from None
     typer.echo(k.key)
     typer.echo(f"prefix {k.prefix}{' (admin)' if admin else ''} for tenant {k.tenant}; the key is shown only now", err=True)
+
+
+def _one_tenant(positional: str | None, option: str | None) -> str:
+    """The tenant named either way (both spellings are in use: ``keys create acme``, ``--tenant acme``)."""
+    if positional and option and positional != option:
+        raise _error(f"two tenants given ({positional!r} and --tenant {option!r}): give one")
+    tenant = positional or option
+    if not tenant:
+        raise _error("give the tenant: inferq keys create NAME (or --tenant NAME)")
+    return tenant
 
 
 def keys_revoke(prefix: str = typer.Argument(..., help="The key's prefix (iq_xxxxxxxx).")) -> None:
@@ -128,22 +155,34 @@ def keys_revoke(prefix: str = typer.Argument(..., help="The key's prefix (iq_xxx
 
 def report(
     tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant (default: all tenants)."),
-    since: str = typer.Option(..., "--since", help="Start (inclusive): YYYY-MM-DD (UTC) or ISO 8601 datetime."),
+    since: str | None = typer.Option(None, "--since", help="Start (inclusive): YYYY-MM-DD (UTC) or ISO 8601 "
+                                                           "datetime; default 30 days before --until, as /v1/usage."),
     until: str | None = typer.Option(None, "--until", help="End (exclusive); default now."),
     group_by: str = typer.Option("day", "--group-by", help="Comma-separated: day, model, tier (and tenant)."),
     format: str = typer.Option("table", "--format", help="table, csv or json."),
 ) -> None:
-    """Usage and cost from the ledger: the same numbers as GET /v1/usage."""
+    """Usage and cost from the ledger: the same numbers as GET /v1/usage (by default, the last 30 days)."""
+    import datetime as dt
+
     from sqlalchemy import select
 
-    from api.reports import ReportError, build_report, parse_group_by, parse_when, to_csv, to_json, to_table
+    from api.reports import (
+        ReportError,
+        build_report,
+        parse_group_by,
+        parse_when,
+        shift,
+        to_csv,
+        to_json,
+        to_table,
+    )
     from inferq.db import Tenant, utcnow
 
     if format not in ("table", "csv", "json"):
         raise _error("--format must be table, csv or json")
     try:
-        start = parse_when(since, "--since")
         end = parse_when(until, "--until") or utcnow()
+        start = parse_when(since, "--since") or shift(end, -dt.timedelta(days=30))
         groups = parse_group_by(group_by, allow_tenant=True)
     except ReportError as exc:
         raise _error(str(exc)) from None
@@ -169,13 +208,13 @@ def celery_worker(
     hostname: str | None = typer.Option(None, help="Worker name (default inferq@<host>)."),
 ) -> None:
     """Run a Celery worker for the inferq.submit and inferq.generate tasks."""
-    from api.celery_app import make_celery, queue_name
+    from api.celery_app import consumed_queues, make_celery
 
     settings = _settings()
     app = make_celery(settings)
     app.worker_main([
         "worker", f"--concurrency={concurrency}", f"--pool={pool}", f"--loglevel={loglevel}",
-        "-Q", queue_name(settings), "-n", hostname or f"inferq@{socket.gethostname()}", "--without-gossip",
+        "-Q", ",".join(consumed_queues(settings)), "-n", hostname or f"inferq@{socket.gethostname()}", "--without-gossip",
         "--without-mingle",
     ])
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import psycopg
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from inferq.log import get_logger
 
@@ -64,8 +66,14 @@ def _json(status: int, type_: str, message: str, fields: list[dict[str, str]] | 
     return JSONResponse(error_body(type_, message, fields), status_code=status, headers=headers)
 
 
+def _ascii_safe(text: str) -> str:
+    """Text from the request (a field name) rendered so that the answer is always UTF-8: a lone surrogate in a
+    JSON key becomes its ``\\ud800`` escape instead of breaking the response."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc]
+    parts = [_ascii_safe(str(p)) for p in loc]
     if parts and parts[0] in ("body", "query", "path", "header"):
         where, rest = parts[0], parts[1:]
         if where == "header":
@@ -77,11 +85,37 @@ def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
 def validation_fields(errors: list[dict[str, Any]]) -> list[dict[str, str]]:
     out = []
     for e in errors:
-        msg = str(e.get("msg", "invalid"))
+        if e.get("type") == "json_invalid":  # FastAPI's loc is ("body", <character position>): "body.0"
+            out.append({"field": "body", "reason": _json_reason(e)})
+            continue
+        msg = _pattern_reason(e) or str(e.get("msg", "invalid"))
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        out.append({"field": _loc(e.get("loc", ())) or "body", "reason": msg})
+        out.append({"field": _loc(e.get("loc", ())) or "body", "reason": _ascii_safe(msg)})
     return out
+
+
+def _json_reason(e: dict[str, Any]) -> str:
+    """A body that is not JSON: say so, and where, instead of pydantic's "0: JSON decode error"."""
+    loc, detail = e.get("loc", ()), (e.get("ctx") or {}).get("error")
+    where = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+    return f"not valid JSON{where}" + (f" ({detail})" if detail else "") + "; send a JSON object"
+
+
+# a list-of-names pattern such as group_by's: ^(day|model|tier)(,(day|model|tier))*$
+_NAME_LIST = re.compile(r"\^\(([\w|]+)\)\(,\(\1\)\)\*\$")
+
+
+def _pattern_reason(e: dict[str, Any]) -> str | None:
+    """A pattern mismatch said in words when the pattern is a comma-separated list of names, not as the
+    raw regex (the caller should not have to read one to learn what is allowed)."""
+    if e.get("type") != "string_pattern_mismatch":
+        return None
+    m = _NAME_LIST.fullmatch(str((e.get("ctx") or {}).get("pattern", "")))
+    if m is None:
+        return None
+    got = e.get("input")
+    return f"must be a comma-separated list of: {', '.join(m[1].split('|'))}" + (f" (got {got!r})" if got else "")
 
 
 def first_line(exc: BaseException) -> str:
@@ -92,6 +126,19 @@ def first_line(exc: BaseException) -> str:
 
 def db_unavailable_reason(exc: BaseException) -> str:
     return f"database unavailable: {first_line(exc)}"
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path, for a 405's ``Allow`` header (Starlette lists only the
+    methods of the first route whose path matched, e.g. ``POST`` alone for ``/v1/jobs``). Asked of the
+    routes themselves, method by method, so included routers are covered however they are nested."""
+    routes = request.app.router.routes
+    served = [m for m in _METHODS
+              if any(route.matches({**request.scope, "method": m})[0] == Match.FULL for route in routes)]
+    return ", ".join(served)
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -106,11 +153,16 @@ def install_handlers(app: FastAPI) -> None:
         return _json(422, "validation_error", message, fields)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         types = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                  406: "not_acceptable", 413: "payload_too_large", 415: "unsupported_media_type"}
-        return _json(exc.status_code, types.get(exc.status_code, "error"), str(exc.detail),
-                     headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = allowed_methods(request)
+        if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8): invalid input like bad JSON
+            reason = "not a JSON document in UTF-8"
+            return _json(422, "validation_error", f"body: {reason}", [{"field": "body", "reason": reason}])
+        return _json(exc.status_code, types.get(exc.status_code, "error"), str(exc.detail), headers=headers)
 
     @app.exception_handler(sa_exc.DataError)
     async def _data(_: Request, exc: sa_exc.DataError) -> JSONResponse:

@@ -4,6 +4,9 @@
 Events (``data`` is JSON):
 
 * ``event: delta`` — ``{"text": "..."}``, ``id`` = the Redis stream entry id (resume with ``Last-Event-ID``);
+* ``event: reset`` — ``{"attempt": n}``: the job started again (attempt n: its worker died or stopped, or a
+  database outage outlasted it) and its text is sent again from the beginning: discard the text received
+  so far. Deltas of older attempts that arrive later are not sent (``inferq.jobs.AttemptFilter``);
 * ``event: final`` — the job as ``GET /v1/jobs/{id}`` returns it (status, text, finish_reason, usage, cost).
 
 When the stream is gone (expired or never written, e.g. a job cancelled while queued) and the job is
@@ -35,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from api.errors import error_body, first_line
 from inferq.contract import events_key
 from inferq.db import TERMINAL_STATUSES
+from inferq.jobs.events import AttemptFilter
 from inferq.log import get_logger
 
 log = get_logger("inferq.api")
@@ -44,6 +48,25 @@ DB_CHECK_SECONDS = 2.0
 KEEPALIVE_SECONDS = 15.0
 FINAL_WAIT_SECONDS = 3.0  # after a stream `final`, how long to wait for PostgreSQL to show the job terminal
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
+EVENT_NAMES = ("delta", "reset", "final", "error")
+
+
+def sse_response_doc(description: str, events: tuple[str, ...] | None = EVENT_NAMES) -> dict[str, Any]:
+    """The OpenAPI ``responses`` entry of an event stream. OpenAPI 3.1 has a ``text/event-stream`` media
+    type's schema describe ONE event (the fields ``event``, ``data``, ``id``, ``retry``), not the stream as
+    a string; ``events`` lists the event names it sends (None: events without a name, data lines only)."""
+    props: dict[str, Any] = {
+        "data": {"type": "string", "description": "The event's data (JSON, or `[DONE]` at the end of an "
+                                                  "OpenAI-style stream)."},
+        "id": {"type": "string", "description": "Resume after this event with `Last-Event-ID`."},
+        "retry": {"type": "integer", "minimum": 0},
+    }
+    required = ["data"]
+    if events:
+        props["event"] = {"type": "string", "enum": list(events)}
+        required.append("event")
+    schema = {"type": "object", "properties": props, "required": required}
+    return {"content": {"text/event-stream": {"schema": schema}}, "description": description}
 
 
 class StreamLimiter:
@@ -152,6 +175,7 @@ async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[
     key = events_key(prefix, job_id)
     last = resume_from(last_event_id)
     sent_delta = last != "0-0"
+    attempts = AttemptFilter()
     next_db_check = time.monotonic() + DB_CHECK_SECONDS
     last_output = time.monotonic()
     if not await aredis.exists(key):  # expired, or nothing published yet: PostgreSQL knows if it is over
@@ -173,11 +197,10 @@ async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[
                 if kind in ("done", "final"):
                     yield sse("final", await _final_view(load_view, f), "final")
                     return
-                text = f.get("text", "") if kind == "delta" else ""
-                if text:
-                    sent_delta = True
-                    yield sse("delta", {"text": text}, last)
+                for name, chunk in _text_events(attempts, kind, f, last):
+                    sent_delta = name == "delta"  # after a reset the client holds no text
                     last_output = time.monotonic()
+                    yield chunk
             continue
         now = time.monotonic()
         if now >= next_db_check:
@@ -197,6 +220,20 @@ async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[
         if now - last_output >= KEEPALIVE_SECONDS:
             last_output = now
             yield ": keepalive\n\n"
+
+
+def _text_events(attempts: AttemptFilter, kind: str, fields: dict[str, Any],
+                 entry_id: str) -> list[tuple[str, str]]:
+    """``(name, SSE text)`` of the events for one stream entry: a ``reset`` when a new attempt starts, then
+    the delta's text unless it belongs to an older attempt."""
+    verdict = attempts.see(kind, fields.get("attempt"))
+    out = []
+    if verdict == "reset":
+        out.append(("reset", sse("reset", {"attempt": attempts.attempt}, entry_id)))
+    text = fields.get("text", "") if kind == "delta" and verdict != "drop" else ""
+    if text:
+        out.append(("delta", sse("delta", {"text": text}, entry_id)))
+    return out
 
 
 async def _final_view(load_view: Callable[[], dict[str, Any] | None], fields: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from starlette.routing import Match
 
 REQUESTS = Counter("inferq_api_requests_total", "HTTP requests handled.", ["method", "route", "status"])
 LATENCY = Histogram("inferq_api_request_seconds", "HTTP request latency.", ["method", "route"],
@@ -32,6 +33,7 @@ class MetricsMiddleware:
             return
         start = time.perf_counter()
         status = 500
+        where = {"path": scope.get("path"), "root_path": scope.get("root_path", "")}  # a Mount rewrites these
 
         async def _send(message: dict) -> None:
             nonlocal status
@@ -42,8 +44,24 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, _send)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
+            path = _route_template(scope, where)
             method = scope.get("method", "")
             REQUESTS.labels(method, path, str(status)).inc()
             LATENCY.labels(method, path).observe(time.perf_counter() - start)
+
+
+def _route_template(scope: dict, where: dict[str, Any]) -> str:
+    """The template of the route that served the request (bounded label values), ``unmatched`` for none.
+    FastAPI's own routes leave it in ``scope["route"]``; Starlette's (``/openapi.json``, the docs assets
+    mount) do not, so those are matched again here, as the router matched them, from the original path."""
+    route = scope.get("route")
+    if route is not None and getattr(route, "path", None):
+        return route.path
+    app = scope.get("app")
+    if app is None or scope.get("endpoint") is None:  # nothing served it (404 before any route)
+        return "unmatched"
+    original = {**scope, **where}
+    for candidate in app.router.routes:
+        if candidate.matches(original)[0] == Match.FULL:
+            return getattr(candidate, "path", None) or "unmatched"
+    return "unmatched"

@@ -18,7 +18,9 @@ from inferq.db import Tenant, UsageEntry
 
 GROUP_COLUMNS = ("day", "model", "tier", "tenant")
 SUM_COLUMNS = ("jobs", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "total_tokens",
-               "compute_seconds", "cost_micros", "cost_dollars")
+               "compute_seconds", "spec_proposed_tokens", "spec_accepted_tokens", "cost_micros", "cost_dollars")
+_TOKEN_SUMS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "spec_proposed_tokens",
+               "spec_accepted_tokens")
 
 
 class ReportError(ValueError):
@@ -98,9 +100,7 @@ def usage_report(session: Session, *, since: dt.datetime, until: dt.datetime, gr
     stmt = select(
         *group_cols,
         func.count(UsageEntry.id).label("jobs"),
-        func.coalesce(func.sum(UsageEntry.prompt_tokens), 0).label("prompt_tokens"),
-        func.coalesce(func.sum(UsageEntry.cached_prompt_tokens), 0).label("cached_prompt_tokens"),
-        func.coalesce(func.sum(UsageEntry.completion_tokens), 0).label("completion_tokens"),
+        *[func.coalesce(func.sum(getattr(UsageEntry, name)), 0).label(name) for name in _TOKEN_SUMS],
         func.coalesce(func.sum(UsageEntry.compute_seconds), 0.0).label("compute_seconds"),
         func.coalesce(func.sum(UsageEntry.cost_micros), 0).label("cost_micros"),
     ).where(UsageEntry.created_at >= since, UsageEntry.created_at < until)
@@ -121,9 +121,7 @@ def usage_report(session: Session, *, since: dt.datetime, until: dt.datetime, gr
 def _row(keys: dict[str, Any], r: Any) -> dict[str, Any]:
     out: dict[str, Any] = {g: keys.get(g) for g in GROUP_COLUMNS}
     out["jobs"] = int(r["jobs"])
-    out["prompt_tokens"] = int(r["prompt_tokens"])
-    out["cached_prompt_tokens"] = int(r["cached_prompt_tokens"])
-    out["completion_tokens"] = int(r["completion_tokens"])
+    out.update({name: int(r[name]) for name in _TOKEN_SUMS})
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     out["compute_seconds"] = round(float(r["compute_seconds"]), 6)
     out["cost_micros"] = int(r["cost_micros"])
@@ -132,7 +130,7 @@ def _row(keys: dict[str, Any], r: Any) -> dict[str, Any]:
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    acc: dict[str, Any] = {k: 0 for k in ("jobs", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "cost_micros")}
+    acc: dict[str, Any] = {k: 0 for k in ("jobs", *_TOKEN_SUMS, "cost_micros")}
     secs = 0.0
     for r in rows:
         for k in acc:

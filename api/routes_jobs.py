@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import datetime as dt
-import json
 import re
 import uuid
 from typing import Annotated, Any
@@ -14,14 +11,16 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy import select, tuple_
 
+from api.admission import Admitted
 from api.auth import Principal, require_key
+from api.cursors import CURSOR_PATTERN, decode_cursor, encode_cursor
 from api.errors import ApiError, invalid, not_found, too_many, unavailable
-from api.events import LimitedStreamingResponse, guarded, job_events
+from api.events import LimitedStreamingResponse, guarded, job_events, sse_response_doc
 from api.metrics import REJECTED, SSE_STREAMS, SUBMITTED
 from api.reports import to_utc
 from api.schemas import ErrorResponse, JobList, JobResponse, JobStatus
-from api.validation import body_errors
-from api.views import get_job_view, job_view
+from api.validation import IsoDateTime, body_errors
+from api.views import get_job_view, job_view, text_so_far
 from inferq import jobs
 from inferq.contract import JobCreate
 from inferq.db import Job, Result, UsageEntry
@@ -59,12 +58,17 @@ def _uuid_or_404(job_id: str) -> str:
         "stored. With an `Idempotency-Key`, a retry with the same key and body returns the same job (**200**), "
         "and the same key with another body is **409**. Quotas (the tenant's queued jobs, tokens per minute, "
         "the tier's queue cap) answer **429** with `Retry-After`. A `webhook_url` that resolves to a loopback, "
-        "private, link-local or metadata address is refused (**422**) unless allow-listed."
+        "private, link-local or metadata address is refused (**422**) unless allow-listed. A model no worker "
+        "serves is **404** `model_not_found`; a prompt that does not fit the model's context is **422** "
+        "`prompt_too_long`, and one whose `max_tokens` does not fit is **422** `context_length_exceeded` (an "
+        "omitted `max_tokens` is lowered to what the context leaves)."
     ),
     responses={
         200: {"model": JobResponse, "description": "Idempotent retry: the job created earlier with this key and body."},
         202: {"description": "Accepted: the job is stored and queued.", "headers": {
             "Location": {"description": "URL of the job.", "schema": {"type": "string"}}}},
+        404: {"model": ErrorResponse, "description": "`model_not_found`: no worker serves this model (the message "
+              "lists the models served)."},
         409: {"model": ErrorResponse, "description": "Idempotency-Key reused with a different body."},
         429: {"model": ErrorResponse, "description": "Quota exceeded; retry after `Retry-After` seconds.",
               "headers": {"Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer"}}}},
@@ -152,19 +156,30 @@ class SubmitBatcher:
 
 
 def _submit_group(state: Any, items: list[_Submission]) -> list[tuple[dict[str, Any], bool] | Exception]:
-    """Runs on the submit pool: each submission's answer (view, created), or the exception to raise for it."""
+    """Runs on the submit pool: each submission's answer (view, created), or the exception to raise for it.
+    Each is first checked against its model (``api/admission.py``: served, fits the context)."""
     try:
         state.redis_health.check(state.redis)
     except Exception as exc:  # noqa: BLE001 - every submission of the group gets the 503
         return [exc] * len(items)
-    results = jobs.submit_many(state.session_factory, state.redis, state.settings,
-                               [(principal.tenant, body, key) for principal, body, key in items])
-    out: list[Any] = []
-    for result in results:
+    out: list[Any] = [None] * len(items)
+    admitted: list[tuple[int, Principal, Admitted, str | None]] = []
+    for i, (principal, body, key) in enumerate(items):
         try:
-            out.append(_answer(state, result))
+            admitted.append((i, principal, state.admission.admit(body), key))
+        except ApiError as exc:
+            REJECTED.labels(exc.type).inc()
+            out[i] = exc
+        except Exception as exc:  # noqa: BLE001 - e.g. Redis down: handed to the request it belongs to
+            out[i] = exc
+    results = jobs.submit_many(state.session_factory, state.redis, state.settings,
+                               [(principal.tenant, a.body, key) for _, principal, a, key in admitted],
+                               prompt_tokens=[a.prompt_tokens for _, _, a, _ in admitted])
+    for (i, *_), result in zip(admitted, results, strict=True):
+        try:
+            out[i] = _answer(state, result)
         except Exception as exc:  # noqa: BLE001 - handed to the request it belongs to
-            out.append(exc)
+            out[i] = exc
     return out
 
 
@@ -197,27 +212,14 @@ def _answer(state: Any, result: tuple[Any, bool] | Exception) -> tuple[dict[str,
             responses={**NOT_FOUND, **AUTH_ERRORS, **INVALID})
 def get_job(request: Request, job_id: str, principal: Principal = Depends(require_key)) -> JSONResponse:
     jid = _uuid_or_404(job_id)
-    with _state(request).session_factory() as s:
+    state = _state(request)
+    with state.session_factory() as s:
         view = get_job_view(s, jid, principal.tenant_id)
     if view is None:
         raise not_found(f"no job {jid}")
+    if view["status"] == "running" and view["text"] is None:  # polling shows the text as it is generated
+        view["text"] = text_so_far(state.redis, state.settings.stream_prefix, jid)
     return JSONResponse(view)
-
-
-def encode_cursor(created_at: dt.datetime, job_id: str) -> str:
-    raw = json.dumps([created_at.isoformat(), job_id], separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        created, job_id = json.loads(raw)
-        t = dt.datetime.fromisoformat(created)
-        uuid.UUID(job_id)
-        return to_utc(t), job_id
-    except Exception:
-        raise invalid("query.cursor", "not a cursor returned by this endpoint") from None
 
 
 @router.get("/jobs", response_model=JobList, summary="List jobs",
@@ -228,9 +230,9 @@ def list_jobs(
     request: Request,
     principal: Principal = Depends(require_key),
     status: Annotated[JobStatus | None, Query(description="Only jobs with this status.")] = None,
-    since: Annotated[dt.datetime | None, Query(description="Only jobs created at or after this time (ISO 8601).")] = None,
+    since: Annotated[IsoDateTime | None, Query(description="Only jobs created at or after this time (ISO 8601).")] = None,
     limit: Annotated[int, Query(ge=1, le=200, description="Page size.")] = 20,
-    cursor: Annotated[str | None, Query(max_length=500, pattern=r"^[A-Za-z0-9_-]+$", description="`next_cursor` of the previous page.")] = None,
+    cursor: Annotated[str | None, Query(pattern=CURSOR_PATTERN, description="`next_cursor` of the previous page.")] = None,
 ) -> JSONResponse:
     stmt = (
         select(Job, Result, UsageEntry)
@@ -278,15 +280,13 @@ def cancel_job(request: Request, job_id: str, principal: Principal = Depends(req
     summary="Stream a job's text (server-sent events)",
     description=(
         "`event: delta` with `data: {\"text\": ...}` for each piece of text as it is generated (the `id` is "
-        "the Redis stream entry id: reconnect with `Last-Event-ID` to resume), then one `event: final` whose "
+        "the Redis stream entry id: reconnect with `Last-Event-ID` to resume), `event: reset` when the job "
+        "started again after a retry (discard the text received so far), then one `event: final` whose "
         "data is the job as `GET /v1/jobs/{id}` returns it (status, text, finish_reason, usage, cost). For a "
         "finished job whose stream has expired: the whole text as one delta, then the final event."
     ),
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}, "example":
-                     'id: 1700000000000-0\nevent: delta\ndata: {"text":"Paris"}\n\n'
-                     'id: final\nevent: final\ndata: {"id":"...","status":"succeeded",...}\n\n'}},
-                     "description": "An event stream that ends after the final event."},
+    responses={200: sse_response_doc("An event stream that ends after the final event."),
                **NOT_FOUND, **AUTH_ERRORS, **INVALID,
                503: {"model": ErrorResponse, "description": "The database or Redis is unreachable, or this API "
                      "process already serves `INFERQ_SSE_MAX_STREAMS` streams (the reason is given)."}},

@@ -14,13 +14,15 @@ from api.errors import invalid, not_found
 from api.reports import ReportError, build_report, parse_group_by, parse_when, shift, to_csv
 from api.routes_jobs import AUTH_ERRORS, INVALID
 from api.schemas import ErrorResponse, UsageReport
+from api.validation import IsoDate
 from inferq.db import Tenant, utcnow
 
 router = APIRouter(prefix="/v1", tags=["usage"])
 
 _CSV: dict[str, Any] = {"text/csv": {"schema": {"type": "string"}, "example":
                      "day,model,jobs,prompt_tokens,cached_prompt_tokens,completion_tokens,total_tokens,"
-                     "compute_seconds,cost_micros,cost_dollars\n2026-01-05,smollm2-135m-instruct,2,70,0,16,86,0.16,14,0.000014\n"}}
+                     "compute_seconds,spec_proposed_tokens,spec_accepted_tokens,cost_micros,cost_dollars\n"
+                     "2026-01-05,smollm2-135m-instruct,2,70,0,16,86,0.16,0,0,14,0.000014\n"}}
 FROM_Q = Query(alias="from", description="Start (inclusive): a date (YYYY-MM-DD, UTC) or ISO 8601 datetime. "
                                          "Default: 30 days before `to`.", examples=["2026-01-01"])
 TO_Q = Query(description="End (exclusive): a date or ISO 8601 datetime. Default: now.", examples=["2026-02-01"])
@@ -68,8 +70,8 @@ def _group_by(value: str | None, *, admin: bool) -> list[str]:
 def usage(
     request: Request,
     principal: Principal = Depends(require_key),
-    from_: Annotated[dt.datetime | dt.date | None, FROM_Q] = None,
-    to: Annotated[dt.datetime | dt.date | None, TO_Q] = None,
+    from_: Annotated[IsoDate | None, FROM_Q] = None,
+    to: Annotated[IsoDate | None, TO_Q] = None,
     group_by: Annotated[str | None, Query(description="Comma-separated: day, model, tier.",
                                           pattern=_groups_pattern("day", "model", "tier"),
                                           examples=["day,model"])] = None,
@@ -89,8 +91,8 @@ def usage(
 def admin_usage(
     request: Request,
     principal: Principal = Depends(require_admin),
-    from_: Annotated[dt.datetime | dt.date | None, FROM_Q] = None,
-    to: Annotated[dt.datetime | dt.date | None, TO_Q] = None,
+    from_: Annotated[IsoDate | None, FROM_Q] = None,
+    to: Annotated[IsoDate | None, TO_Q] = None,
     group_by: Annotated[str | None, Query(description="Comma-separated: day, model, tier, tenant.",
                                           pattern=_groups_pattern("day", "model", "tier", "tenant"),
                                           examples=["tenant,day"])] = None,

@@ -21,7 +21,7 @@ _JOB_EXAMPLE: dict[str, Any] = {
     "finish_reason": "stop",
     "error": None,
     "usage": {"prompt_tokens": 35, "cached_prompt_tokens": 0, "completion_tokens": 8, "total_tokens": 43,
-              "compute_seconds": 0.081},
+              "compute_seconds": 0.081, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0},
     "cost": {"micros": 7, "dollars": "0.000007"},
     "timings": {"created_at": "2026-01-05T10:00:00.000000+00:00", "queued_at": "2026-01-05T10:00:00.002000+00:00",
                 "started_at": "2026-01-05T10:00:00.010000+00:00",
@@ -66,6 +66,9 @@ class Usage(BaseModel):
     completion_tokens: int = Field(description="Generated tokens.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
     compute_seconds: float = Field(description="This job's share of engine compute time.")
+    spec_proposed_tokens: int = Field(0, description="Speculative decoding: tokens proposed and verified (0 when "
+                                      "off). Not billed: billing is per completion token.")
+    spec_accepted_tokens: int = Field(0, description="Of those, accepted: each saved one model step.")
 
 
 class Cost(BaseModel):
@@ -99,7 +102,8 @@ class JobResponse(BaseModel):
     model: str = Field(description="Model that runs (ran) the job.")
     tier: Literal["interactive", "batch"] = Field(description="Service tier.")
     priority: int = Field(description="Priority within the tier.")
-    text: str | None = Field(None, description="Generated text (null until the job has a result).")
+    text: str | None = Field(None, description="Generated text: while the job runs, the text so far (from its "
+                             "event stream); null while queued.")
     finish_reason: str | None = Field(None, description="stop | length | abort | deadline | error (null while unfinished).")
     error: str | None = Field(None, description="Why the job failed, if it did.")
     usage: Usage | None = Field(None, description="Token usage from the ledger (null until the job is terminal).")
@@ -133,6 +137,8 @@ class UsageRow(BaseModel):
     completion_tokens: int = Field(description="Sum of completion tokens.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
     compute_seconds: float = Field(description="Sum of compute seconds.")
+    spec_proposed_tokens: int = Field(description="Sum of speculative tokens proposed and verified.")
+    spec_accepted_tokens: int = Field(description="Sum of speculative tokens accepted (model steps saved).")
     cost_micros: int = Field(description="Sum of cost in micro-dollars.")
     cost_dollars: str = Field(description="The same sum in dollars (exact decimal string).")
 
@@ -145,10 +151,12 @@ class UsageReport(BaseModel):
         "group_by": ["day", "model"], "tenant": "acme",
         "rows": [{"day": "2026-01-05", "model": "smollm2-135m-instruct", "tier": None, "tenant": None, "jobs": 2,
                   "prompt_tokens": 70, "cached_prompt_tokens": 0, "completion_tokens": 16, "total_tokens": 86,
-                  "compute_seconds": 0.16, "cost_micros": 14, "cost_dollars": "0.000014"}],
+                  "compute_seconds": 0.16, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "cost_micros": 14,
+                  "cost_dollars": "0.000014"}],
         "totals": {"day": None, "model": None, "tier": None, "tenant": None, "jobs": 2, "prompt_tokens": 70,
                    "cached_prompt_tokens": 0, "completion_tokens": 16, "total_tokens": 86, "compute_seconds": 0.16,
-                   "cost_micros": 14, "cost_dollars": "0.000014"}}]})
+                   "spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "cost_micros": 14,
+                   "cost_dollars": "0.000014"}}]})
 
     object: Literal["usage_report"] = Field("usage_report", description="Always `usage_report`.")
     from_: dt.datetime = Field(alias="from", description="Start of the window (inclusive).")
@@ -164,6 +172,11 @@ class Health(BaseModel):
 
 
 class Readiness(BaseModel):
-    status: Literal["ready", "unavailable"] = Field(description="ready when the database and Redis both answer.")
-    checks: dict[str, str] = Field(description="Per dependency: `ok` or the reason it failed.",
-                                   examples=[{"database": "ok", "redis": "ok"}])
+    status: Literal["ready", "unavailable"] = Field(
+        description="ready when the database and Redis answer and at least one worker serves a model.")
+    checks: dict[str, str] = Field(description="Per dependency (database, redis, workers): `ok` or the reason.",
+                                   examples=[{"database": "ok", "redis": "ok", "workers": "ok"}])
+    models: dict[str, list[str]] = Field(
+        default_factory=dict, description="Every known model and the workers serving it now (from their "
+        "heartbeats); a model whose workers all stopped is still known (jobs for it wait in its queue).",
+        examples=[{"smollm2-135m-instruct": ["host-1234-ab12"]}])

@@ -68,6 +68,19 @@ def get_tenant(session: Session, name: str) -> Tenant:
     return tenant
 
 
+def set_fair_share_weight(session_factory: sessionmaker, name: str, weight: float) -> Tenant:
+    """Set the tenant's fair-share weight: its share of its tier's admitted tokens relative to the other busy
+    tenants (scheduler/fairness.py). Jobs enqueued from now on carry it (after the API's auth cache expires);
+    jobs already queued keep the weight they were enqueued with."""
+    if not 0 < weight < float("inf"):
+        raise TenantError("the weight must be a positive number")
+    with session_factory() as s:
+        tenant = get_tenant(s, name)
+        tenant.fair_share_weight = weight
+        s.commit()
+        return tenant
+
+
 def create_key(session_factory: sessionmaker, tenant_name: str, *, admin: bool = False) -> NewKey:
     with session_factory() as s:
         tenant = get_tenant(s, tenant_name)

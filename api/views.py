@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from inferq.contract import events_key
 from inferq.db import Job, Result, UsageEntry
+from inferq.jobs import final_text
+from inferq.log import get_logger
+
+log = get_logger("inferq.api")
 
 
 def dollars(micros: int) -> str:
@@ -26,6 +33,21 @@ def iso(t: dt.datetime | None) -> str | None:
     return t.isoformat()
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable_json(value: Any) -> Any:
+    """``value`` with any lone surrogate replaced by U+FFFD: a row stored before such text was refused (a JSON
+    column can hold a ``\\ud800`` escape) must still render as UTF-8, never as a 500 on every GET and list."""
+    if isinstance(value, str):
+        return value if value.isascii() or not _SURROGATE.search(value) else _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {readable_json(str(k)): readable_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [readable_json(v) for v in value]
+    return value
+
+
 def job_view(job: Job, result: Result | None = None, ledger: UsageEntry | None = None) -> dict[str, Any]:
     base = f"/v1/jobs/{job.id}"
     usage = cost = None
@@ -36,6 +58,8 @@ def job_view(job: Job, result: Result | None = None, ledger: UsageEntry | None =
             "completion_tokens": ledger.completion_tokens,
             "total_tokens": ledger.prompt_tokens + ledger.completion_tokens,
             "compute_seconds": float(ledger.compute_seconds or 0.0),
+            "spec_proposed_tokens": int(ledger.spec_proposed_tokens or 0),
+            "spec_accepted_tokens": int(ledger.spec_accepted_tokens or 0),
         }
         cost = {"micros": int(ledger.cost_micros), "dollars": dollars(ledger.cost_micros)}
     return {
@@ -62,7 +86,7 @@ def job_view(job: Job, result: Result | None = None, ledger: UsageEntry | None =
         "cancel_requested": bool(job.cancel_requested),
         "idempotency_key": job.idempotency_key,
         "webhook_url": job.webhook_url,
-        "metadata": job.meta,
+        "metadata": readable_json(job.meta) if job.meta else job.meta,
         "links": {"self": base, "events": f"{base}/events", "cancel": f"{base}/cancel"},
     }
 
@@ -84,3 +108,26 @@ def get_job_view(session: Session, job_id: str, tenant_id: str | None = None) ->
     if row is None or (tenant_id is not None and row[0].tenant_id != tenant_id):
         return None
     return job_view(row[0], row[1], row[2])
+
+
+def text_so_far(redis: Any, prefix: str, job_id: str) -> str | None:
+    """The text a running job has generated so far: the ``delta`` events of its current attempt joined (the
+    job's result row is written only at the end). None when the event stream is gone or Redis does not answer: a poll still
+    works, only without the partial text."""
+    try:
+        entries = redis.xrange(events_key(prefix, job_id))
+    except Exception as exc:  # Redis down: the rest of the view comes from PostgreSQL
+        log.warning("no partial text: redis unavailable", job_id=job_id, error=str(exc)[:200])
+        return None
+    if not entries:
+        return None
+    decoded = [{**_json_object(fields.get(b"data")), "event": fields.get(b"event", b"").decode()} for _, fields in entries]
+    return readable_json(final_text(decoded))  # the newest attempt's deltas only (a retried job starts over)
+
+
+def _json_object(data: bytes | None) -> dict[str, Any]:
+    try:
+        value = json.loads(data or b"{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

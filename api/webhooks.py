@@ -30,6 +30,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -179,6 +180,16 @@ def backoff_seconds(attempt: int, base: float, cap: float = MAX_BACKOFF_SECONDS)
 
 # --- delivery loop -----------------------------------------------------------------------------------
 
+_DELIVERY_NAMESPACE = uuid.UUID("6f1d3c52-7f0e-4b8e-9a51-2c1f0b7d9e43")  # fixed: ids must not change
+
+
+def delivery_id(job_id: str, row_id: int) -> str:
+    """The ``X-Inferq-Delivery`` id: a UUID, the same on every retry of one delivery (receivers de-duplicate
+    on it) and unique across restarts, databases and deployments, because it is derived from the job id (a
+    random UUID) and not only from the delivery row's counter, which a fresh database starts again at 1."""
+    return str(uuid.uuid5(_DELIVERY_NAMESPACE, f"{job_id}/{row_id}"))
+
+
 @dataclass
 class Claimed:
     id: int
@@ -267,7 +278,7 @@ class WebhookDispatcher:
                 "Content-Type": "application/json",
                 TIMESTAMP_HEADER: str(ts),
                 SIGNATURE_HEADER: sign(tenant.webhook_secret, ts, body),
-                "X-Inferq-Delivery": str(claimed.id),
+                "X-Inferq-Delivery": delivery_id(claimed.job_id, claimed.id),
                 "X-Inferq-Job": claimed.job_id,
                 "X-Inferq-Attempt": str(claimed.attempts + 1),
             }
@@ -350,10 +361,10 @@ class WebhookDispatcher:
 
 
 def deliveries_for(session_factory: sessionmaker, job_id: str) -> list[dict[str, Any]]:
-    """Delivery rows of a job, for tests and the CLI."""
+    """Delivery rows of a job, for tests and the CLI; ``id`` is the delivery id receivers see."""
     with session_factory() as s:
         return [
-            {"id": d.id, "url": d.url, "status": d.status, "attempts": d.attempts,
+            {"id": delivery_id(d.job_id, d.id), "url": d.url, "status": d.status, "attempts": d.attempts,
              "last_status_code": d.last_status_code, "last_error": d.last_error, "history": d.history or []}
             for d in s.scalars(select(WebhookDelivery).where(WebhookDelivery.job_id == job_id))
         ]

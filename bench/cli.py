@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api")
+NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api", "spec", "fairness")
 
 
 def _csv(value: str | None) -> tuple[str, ...] | None:
@@ -127,6 +127,34 @@ def bench(
         if quick:
             kw["quick"] = True
         tiers.run(model, seed=seed, **kw)
+    elif name == "spec":
+        from bench import spec
+
+        if dtypes:
+            kw["dtype"] = dtypes[0]
+        if requests:
+            kw["requests"] = requests
+        if max_output:
+            kw["max_tokens"] = max_output
+        if quick:
+            kw.update(concurrencies=(1, 4), requests=requests or 4, max_tokens=max_output or 24)
+        spec.run(model, seed=seed, **kw)
+    elif name == "fairness":
+        from bench import fairness
+
+        if dtypes:
+            kw["dtype"] = dtypes[0]
+        if requests:
+            kw["light_requests"] = requests  # the heavy tenant sends 10x as many
+        if repeats > 1:
+            kw["repeats"] = repeats
+        if max_output:
+            kw["max_tokens"] = max_output
+        if kv_cache_memory:
+            kw["kv_cache_memory"] = kv_cache_memory
+        if quick:
+            kw.update(light_requests=requests or 3, max_tokens=max_output or 8, max_num_seqs=4)
+        fairness.run(model, seed=seed, **kw)
     elif name == "api":
         from bench import api_load
 

@@ -13,10 +13,13 @@ import typer
 from inferq.errors import CLIError
 from inferq.settings import SettingsError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="inferq: asynchronous LLM inference over Redis and PostgreSQL.")
-models_app = typer.Typer(no_args_is_help=True, help="Models inferq can serve.")
-tenants_app = typer.Typer(no_args_is_help=True, help="Tenants (who owns jobs, keys and costs).")
-keys_app = typer.Typer(no_args_is_help=True, help="API keys.")
+# Plain help (rich_markup_mode=None): typer's rich help prints a type after plain flags, "--debug <bool>",
+# as if they took a value.
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  help="inferq: asynchronous LLM inference over Redis and PostgreSQL.")
+models_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Models inferq can serve.")
+tenants_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Tenants (who owns jobs, keys and costs).")
+keys_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="API keys.")
 app.add_typer(models_app, name="models")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
@@ -24,8 +27,20 @@ app.add_typer(keys_app, name="keys")
 _debug = False
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from inferq import __version__
+
+        typer.echo(f"inferq {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks.")) -> None:
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Show the version and exit."),
+) -> None:
     global _debug
     _debug = debug
 
@@ -83,6 +98,7 @@ _register(app, "report", "api.cli", "report")
 _register(app, "bench", "bench.cli", "bench")
 _register(tenants_app, "create", "api.cli", "tenants_create")
 _register(tenants_app, "show", "api.cli", "tenants_show")
+_register(tenants_app, "set-weight", "api.cli", "tenants_set_weight")
 _register(keys_app, "create", "api.cli", "keys_create")
 _register(keys_app, "revoke", "api.cli", "keys_revoke")
 

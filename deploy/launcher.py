@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import typer
 
+from deploy.signals import StopRequested, on_stop_signals, stop_children
 from inferq.log import configure_logging, get_logger
 from inferq.settings import Settings, get_settings
 
@@ -41,7 +41,24 @@ def _embedded_services(settings: Settings) -> tuple[dict[str, str], object | Non
     return overrides, embedded_redis
 
 
-def _wait_ready(base: str, procs: list[subprocess.Popen], timeout: float = 120.0) -> None:
+def _announce_model(settings: Settings) -> None:
+    """Make the default model known to the API before the worker has loaded it (its jobs are accepted and wait
+    in the queue); the worker's registration adds the tokenizer and context (inferq/models_registry.py)."""
+    import redis
+
+    from inferq.contract import model_id
+    from inferq.models_registry import announce
+
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        announce(client, settings.stream_prefix, model_id(settings.model))
+    finally:
+        client.close()
+
+
+def _wait_ready(base: str, procs: list[subprocess.Popen], timeout: float = 900.0) -> None:
+    """Until ``/readyz`` says ready: the API answers and a worker has registered its model (loading, or
+    converting the default model on first use, takes a while; the worker logs its progress)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
@@ -84,21 +101,14 @@ def _run_demo(base: str, key: str, prompt: str, timeout: float = 600.0) -> int:
     return 0
 
 
-def run_up(*, demo: bool, host: str, port: int, model: str | None, prompt: str) -> None:
-    settings = get_settings()
-    configure_logging(settings.log_level, settings.log_json)
-    overrides, embedded_redis = _embedded_services(settings)
-    if model:
-        overrides["model"] = model
-    child_settings = settings.model_copy(update=overrides)
-    env_extra = {f"INFERQ_{k.upper()}": v for k, v in overrides.items()}
-
+def _demo_key(database_url: str) -> str:
+    """Migrate the database, make sure the demo tenant exists, and create a fresh key for it."""
     from api.tenants import TenantError, create_key, create_tenant
     from inferq.db import make_engine, make_sessionmaker
     from inferq.migrate import upgrade
 
-    upgrade(child_settings.database_url)
-    engine = make_engine(child_settings.database_url)
+    upgrade(database_url)
+    engine = make_engine(database_url)
     sessions = make_sessionmaker(engine)
     try:
         create_tenant(sessions, "demo")
@@ -106,28 +116,31 @@ def run_up(*, demo: bool, host: str, port: int, model: str | None, prompt: str) 
         pass  # already there from an earlier run
     key = create_key(sessions, "demo").key
     engine.dispose()
+    return key
 
-    env = {**os.environ, **env_extra}
+
+def run_up(*, demo: bool, host: str, port: int, model: str | None, prompt: str) -> None:
+    """Run until a child exits or SIGTERM / SIGINT / SIGHUP arrives; then stop every child, the worker
+    first draining its in-flight jobs, and the embedded Redis last."""
+    on_stop_signals()
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_json)
+    overrides, embedded_redis = _embedded_services(settings)
+    if model:
+        overrides["model"] = model
+    child_settings = settings.model_copy(update=overrides)
+    env = {**os.environ, **{f"INFERQ_{k.upper()}": v for k, v in overrides.items()}}
     cli = [sys.executable, "-m", "deploy.cli"]
-    procs = [
-        subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)], env=env),
-        subprocess.Popen([*cli, "worker"], env=env),
-    ]
     base = f"http://{host}:{port}"
-
-    def _stop(*_: object) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if embedded_redis is not None:
-            embedded_redis.shutdown()  # type: ignore[attr-defined]
-
+    procs: list[subprocess.Popen] = []
     try:
+        key = _demo_key(child_settings.database_url)
+        _announce_model(child_settings)
+        # own sessions: a terminal's Ctrl-C or hang-up reaches only this process, which stops the children
+        # in order (the worker drains while Redis is still up) instead of each dying on its own
+        procs.append(subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)], env=env,
+                                      start_new_session=True))
+        procs.append(subprocess.Popen([*cli, "worker"], env=env, start_new_session=True))
         _wait_ready(base, procs)
         typer.echo(f"inferq is up at {base} (model {child_settings.model})")
         typer.echo(f"demo tenant key (shown once): {key}")
@@ -141,5 +154,10 @@ def run_up(*, demo: bool, host: str, port: int, model: str | None, prompt: str) 
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         raise typer.Exit(1)
+    except StopRequested as stop:
+        typer.echo(f"stopping ({stop.signame}): finishing in-flight jobs", err=True)
+        raise typer.Exit(0) from None
     finally:
-        _stop()
+        stop_children(procs, grace=child_settings.shutdown_grace_seconds + 15)
+        if embedded_redis is not None:  # last: the worker drains its in-flight jobs through it
+            embedded_redis.shutdown()  # type: ignore[attr-defined]

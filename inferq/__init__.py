@@ -5,4 +5,9 @@ and the request schema shared by the API, Celery and the worker), the database m
 It never imports torch at module level, so the API can use it.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("inferq")  # one source of truth: pyproject.toml's version, as installed
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.0.0+unknown"

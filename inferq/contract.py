@@ -12,12 +12,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import WithJsonSchema
 
 from scheduler.request import SamplingParams
 
@@ -33,50 +44,104 @@ DEFAULT_TOP_K = _SAMPLING_DEFAULTS.top_k
 DEFAULT_IGNORE_EOS = _SAMPLING_DEFAULTS.ignore_eos
 
 NUL_REASON = "must not contain NUL (\\u0000) characters"
+SURROGATE_REASON = "must not contain lone surrogates (unpaired \\ud800-\\udfff escapes are not text)"
+INT64_MAX = 2**63 - 1  # the stream message is msgpack (and the engine's ids are int64): nothing larger fits
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _no_nul(value: str) -> str:
-    """Text is stored in PostgreSQL, which cannot hold NUL characters: refuse them at validation time."""
+def text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be stored (PostgreSQL holds no NUL; UTF-8, hence PostgreSQL and msgpack, holds no
+    lone surrogate, which JSON's ``\\ud800`` escapes can still smuggle in), or None."""
     if "\x00" in value:
-        raise ValueError(NUL_REASON)
+        return NUL_REASON
+    if not value.isascii() and _SURROGATE.search(value):
+        return SURROGATE_REASON
+    return None
+
+
+def _storable(value: Any) -> Any:
+    """Checked before pydantic's own string checks, so the reason given is ours, not a decoding error."""
+    if isinstance(value, str):
+        reason = text_problem(value)
+        if reason is not None:
+            raise ValueError(reason)
     return value
 
 
-def _nul_path(value: Any, path: str) -> str | None:
-    """The path of the first string (or mapping key) containing NUL inside free-form JSON, else None."""
+def json_problem(value: Any, path: str) -> str | None:
+    """The first thing inside free-form JSON that cannot be stored, as ``"<reason> (at <path>)"``, else None:
+    text (values and keys) that ``text_problem`` refuses, and non-finite numbers (JSON has none; Python's
+    parser turns ``1e400`` into infinity, which PostgreSQL refuses)."""
     if isinstance(value, str):
-        return path if "\x00" in value else None
+        reason = text_problem(value)
+        return f"{reason} (at {path})" if reason else None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"must not contain non-finite numbers (at {path})"
     if isinstance(value, dict):
         for k, v in value.items():
             key = str(k)
-            if "\x00" in key:
-                return f"{path}[{key!r}] (the key)"
-            found = _nul_path(v, f"{path}[{key!r}]")
+            reason = text_problem(key)
+            if reason is not None:
+                return f"{reason} (at {path}[{key!r}], the key)"
+            found = json_problem(v, f"{path}[{key!r}]")
             if found is not None:
                 return found
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            found = _nul_path(v, f"{path}[{i}]")
+            found = json_problem(v, f"{path}[{i}]")
             if found is not None:
                 return found
     return None
 
 
-NoNulStr = Annotated[str, AfterValidator(_no_nul)]
+def _ipv6_pattern() -> str:
+    """RFC 3986's ``IPv6address`` (what ``urllib.parse`` accepts between brackets)."""
+    h16, dec = "[0-9A-Fa-f]{1,4}", "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+    ls32 = f"({h16}:{h16}|{dec}(\\.{dec}){{3}})"
+
+    def head(n: int) -> str:  # [ *n( h16 ":" ) h16 ]
+        return f"(({h16}:){{0,{n}}}{h16})?" if n else f"({h16})?"
+
+    forms = [f"({h16}:){{6}}{ls32}", f"::({h16}:){{5}}{ls32}"]
+    forms += [f"{head(i)}::({h16}:){{{4 - i}}}{ls32}" for i in range(4)]
+    forms += [f"{head(4)}::{ls32}", f"{head(5)}::{h16}", f"{head(6)}::"]
+    return "(" + "|".join(forms) + ")"
+
+
+# what a webhook URL must look like (http or https, a host, an optional port, printable ASCII): checked here
+# and published as the field's pattern, so the OpenAPI document says exactly what is accepted; whether the
+# host resolves to public addresses is the API's check (api/webhooks.py), at submission
+WEBHOOK_URL_PATTERN = (r"^[Hh][Tt][Tt][Pp][Ss]?://([A-Za-z0-9._~!$&'()*+,;=%:-]*@)?"
+                       rf"(\[{_ipv6_pattern()}\]|[A-Za-z0-9._~!$&'()*+,;=%-]+)"
+                       r"(:(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4}))?"
+                       r"([/?#][\x21-\x7e]*)?$")
+_WEBHOOK_URL = re.compile(WEBHOOK_URL_PATTERN)
+
+
+def _webhook_url(value: str) -> str:
+    if not _WEBHOOK_URL.fullmatch(value):
+        raise ValueError("must be an http or https URL naming a host (printable ASCII, port at most 65535)")
+    return value
+
+
+StorableStr = Annotated[str, BeforeValidator(_storable)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
-    content: NoNulStr = Field(description="What they say.")
+    content: StorableStr = Field(description="What they say.")
 
 
 class JobCreate(BaseModel):
     """A generation job. Give exactly one of ``prompt``, ``messages`` (chat, rendered with the model's
     chat template) or ``prompt_ids`` (token ids)."""
 
+    # strict: a value is taken only as the type the schema names (``false`` is not the integer 0, ``"3"`` not 3)
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,
         json_schema_extra={
             "examples": [
                 {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
@@ -86,32 +151,34 @@ class JobCreate(BaseModel):
         },
     )
 
-    model: NoNulStr | None = Field(None, description="Model name; the service's default model when omitted.", examples=["smollm2-135m-instruct"])
-    prompt: Annotated[str, Field(min_length=1, max_length=1_000_000), AfterValidator(_no_nul)] | None = Field(
+    model: StorableStr | None = Field(None, description="Model name; the service's default model when omitted.", examples=["smollm2-135m-instruct"])
+    prompt: Annotated[str, BeforeValidator(_storable), Field(min_length=1, max_length=1_000_000)] | None = Field(
         None, description="Plain-text prompt.")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="Chat messages.")
-    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, description="Prompt token ids.")
+    prompt_ids: list[TokenId] | None = Field(None, min_length=1, description="Prompt token ids.")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000, description="Most tokens to generate.")
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=100.0, description="0 is greedy.")
     top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(DEFAULT_TOP_K, ge=0, description="Keep the k most likely tokens; 0 disables.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Per-job seed: the same seed gives the same output.")
-    stop: list[Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]] = Field(default_factory=list, max_length=16, description="Stop strings (not included in the output).")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64, description="Stop token ids.")
+    top_k: int = Field(DEFAULT_TOP_K, ge=0, le=INT64_MAX, description="Keep the k most likely tokens; 0 disables.")
+    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-job seed: the same seed gives the same output.")
+    stop: list[Annotated[str, BeforeValidator(_storable), Field(min_length=1)]] = Field(default_factory=list, max_length=16, description="Stop strings (not included in the output).")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64, description="Stop token ids.")
     ignore_eos: bool = Field(DEFAULT_IGNORE_EOS, description="Keep generating past end-of-sequence.")
     tier: Literal["interactive", "batch"] = Field("interactive", description="interactive: latency tier; batch: cheaper throughput tier.")
-    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first within a tier.")
-    webhook_url: Annotated[str, Field(max_length=2000), AfterValidator(_no_nul)] | None = Field(None, description="POSTed the finished job (signed) when it ends.")
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first among this tenant's jobs in a tier (tenants share a tier fairly: docs/ENGINE.md).")
+    webhook_url: Annotated[str, BeforeValidator(_storable), Field(max_length=2000), AfterValidator(_webhook_url),
+                           WithJsonSchema({"type": "string", "maxLength": 2000, "pattern": WEBHOOK_URL_PATTERN})] | None = Field(
+        None, description="POSTed the finished job (signed) when it ends; its host must resolve to public addresses.")
     deadline_seconds: float | None = Field(None, gt=0, le=7 * 86400, description="Expire the job if not finished this many seconds after acceptance.")
     metadata: dict[str, Any] | None = Field(None, description="Free-form JSON kept with the job.")
 
     @field_validator("metadata")
     @classmethod
-    def _metadata_without_nul(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _metadata_storable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value:
-            where = _nul_path(value, "metadata")
-            if where is not None:
-                raise ValueError(f"{NUL_REASON} (at {where})")
+            problem = json_problem(value, "metadata")
+            if problem is not None:
+                raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
@@ -142,6 +209,7 @@ class MessageError(ValueError):
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 _REQUIRED = {"job_id": str, "tenant_id": str, "ns": str, "model": str, "tier": str, "priority": int, "request": dict}
 _TIMES = ("deadline", "enqueued_at")  # optional Unix seconds
+DEFAULT_WEIGHT = 1.0  # a tenant's fair-share weight unless its settings say otherwise (tenants.fair_share_weight)
 # request field -> conversion into SamplingParams (a field that is missing or None keeps the default)
 _SAMPLING_FIELDS: dict[str, Any] = {
     "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": lambda v: v,
@@ -156,7 +224,8 @@ class JobMessage:
     On the wire: ``v``, ``job_id``, ``tenant_id``, ``ns`` (the tenant's prefix-cache namespace:
     ``cache_namespace`` here), ``model``, ``tier``, ``priority``, ``request`` (``JobCreate.request_params()``:
     the prompt and the sampling parameters, as stored in ``jobs.request``), ``deadline`` and ``enqueued_at``
-    (Unix seconds, or None)."""
+    (Unix seconds, or None), and ``weight`` (the tenant's fair-share weight, ``tenants.fair_share_weight``):
+    optional, left off the wire when it is the default 1.0, so older workers and older messages agree."""
 
     job_id: str
     tenant_id: str
@@ -167,12 +236,16 @@ class JobMessage:
     request: dict[str, Any]
     deadline: float | None = None
     enqueued_at: float | None = None
+    weight: float = DEFAULT_WEIGHT
 
     def to_wire(self) -> dict[str, Any]:
         """The map that goes on the stream (the schema version included)."""
-        return {"v": SCHEMA_VERSION, "job_id": self.job_id, "tenant_id": self.tenant_id, "ns": self.cache_namespace,
+        wire = {"v": SCHEMA_VERSION, "job_id": self.job_id, "tenant_id": self.tenant_id, "ns": self.cache_namespace,
                 "model": self.model, "tier": self.tier, "priority": self.priority, "request": self.request,
                 "deadline": self.deadline, "enqueued_at": self.enqueued_at}
+        if self.weight != DEFAULT_WEIGHT:
+            wire["weight"] = self.weight
+        return wire
 
     def encode(self) -> bytes:
         return msgpack.packb(self.to_wire())
@@ -183,7 +256,7 @@ class JobMessage:
         m = _checked_map(data)
         return cls(job_id=m["job_id"], tenant_id=m["tenant_id"], cache_namespace=m["ns"], model=m["model"],
                    tier=m["tier"], priority=m["priority"], request=m["request"], deadline=m.get("deadline"),
-                   enqueued_at=m.get("enqueued_at"))
+                   enqueued_at=m.get("enqueued_at"), weight=float(m.get("weight", DEFAULT_WEIGHT)))
 
     def prompt_input(self) -> dict[str, Any]:
         """The prompt as ``LLMEngine.encode`` keywords (``prompt``, ``messages`` or ``prompt_ids``)."""
@@ -215,14 +288,18 @@ def _checked_map(data: bytes) -> dict[str, Any]:
         value = msg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise MessageError(f"field {key!r} is not a number of Unix seconds")
+    weight = msg.get("weight", DEFAULT_WEIGHT)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        raise MessageError("field 'weight' is not a positive number")
     return msg
 
 
 def encode_message(job_id: str, tenant_id: str, cache_namespace: str, model: str, tier: str, priority: int,
-                   request: dict[str, Any], deadline: float | None, enqueued_at: float) -> bytes:
+                   request: dict[str, Any], deadline: float | None, enqueued_at: float,
+                   weight: float = DEFAULT_WEIGHT) -> bytes:
     """The stream message (``JobMessage(...).encode()``). ``deadline`` and ``enqueued_at`` are Unix times."""
     return JobMessage(job_id, tenant_id, cache_namespace, model, tier, priority, request, deadline,
-                      enqueued_at).encode()
+                      enqueued_at, weight).encode()
 
 
 def decode_message(data: bytes) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -75,6 +76,9 @@ class Tenant(Base):
     webhook_secret: Mapped[str] = mapped_column(String(128))
     max_queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    fair_share_weight: Mapped[float] = mapped_column(
+        Float, default=1.0, server_default=text("1.0"),
+        comment="Share of its tier's admitted tokens relative to other busy tenants (scheduler/fairness.py).")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
@@ -166,6 +170,9 @@ class UsageEntry(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # speculative decoding: tokens proposed and verified, and of those accepted (billing stays per output token)
+    spec_proposed_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    spec_accepted_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     compute_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     cost_micros: Mapped[int] = mapped_column(BigInteger, default=0)
     price_id: Mapped[int | None] = mapped_column(ForeignKey("prices.id"), nullable=True)
@@ -219,3 +226,81 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+# --- the OpenAI-compatible Files and Batch APIs (inferq/batch_files.py, inferq/batches.py) ---------------------
+
+
+class StoredFile(Base):
+    """A file of the Files API: an uploaded batch input, or a batch's output or error file. Its bytes are in
+    ``file_parts`` (why PostgreSQL, and why parts: inferq/batch_files.py)."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, comment="file-<hex>")
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32), comment="batch | batch_output")
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    line_count: Mapped[int] = mapped_column(Integer, default=0, comment="non-blank lines (a batch's requests)")
+    last_line: Mapped[int] = mapped_column(Integer, default=0, comment="number of the last non-blank line")
+    endpoints: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True,
+                                                             comment="request url -> first line using it")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class FilePart(Base):
+    """A run of whole lines of a file, in order (``seq``); lines are numbered from 1 over the whole file."""
+
+    __tablename__ = "file_parts"
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_line: Mapped[int] = mapped_column(Integer)
+    last_line: Mapped[int] = mapped_column(Integer)
+    requests: Mapped[int] = mapped_column(Integer, default=0, comment="non-blank lines in this part")
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Batch(Base):
+    """A batch of the Batch API: its input file's lines become batch-tier jobs (``batch_requests`` links them)."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_tenant_created", "tenant_id", "created_at", "id"),
+                      Index("ix_batches_status", "status"))
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, comment="batch_<hex>")
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    status: Mapped[str] = mapped_column(String(16), default="validating")
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    next_line: Mapped[int] = mapped_column(Integer, default=1, comment="every line before it is linked or failed")
+    completed: Mapped[int] = mapped_column(Integer, default=0, comment="final request count (set when it ends)")
+    failed: Mapped[int] = mapped_column(Integer, default=0, comment="final request count (set when it ends)")
+    errors: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(100), nullable=True, comment="the process driving it")
+    lease_until: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column()
+    in_progress_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    finalizing_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    completed_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    failed_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    expired_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    cancelling_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    cancelled_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+
+
+class BatchRequest(Base):
+    """One line of a batch: the job it became, or (``job_id`` NULL) why it never became one."""
+
+    __tablename__ = "batch_requests"
+    __table_args__ = (Index("ix_batch_requests_job", "job_id"),)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(Text)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, comment="{code, message}")

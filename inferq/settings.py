@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL used as the job transport.")
     celery_broker_url: str | None = Field(None, description="Celery broker; defaults to redis_url.")
     celery_result_backend: str | None = Field(None, description="Celery result backend; defaults to redis_url.")
+    celery_consume_default_queue: bool = Field(
+        True, description="The inferq Celery worker also consumes Celery's default queue (`celery`), where "
+        "`send_task(...)` without `queue=` goes; off when another application's worker owns that queue.")
 
     # --- model and engine -------------------------------------------------------------------------
     model: str = Field("smollm2-135m-instruct", description="Model name (see `inferq models list`) or a local HF directory.")
@@ -64,6 +67,20 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default_factory=lambda: _user_dir("XDG_DATA_HOME", ".local/share") / "inferq")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = Field(
+        "auto", description="Paged-attention implementation: auto (Triton on CUDA, else cpu), cpu (the C kernels "
+        "where they apply, torch otherwise), torch (the portable torch path only, as on a machine without a C "
+        "compiler; for checking that path), triton (CUDA).")
+    speculative_method: Literal["off", "ngram"] = Field(
+        "off", description="Speculative decoding: off, or ngram (prompt lookup: propose what followed the last "
+        "few tokens earlier in the prompt or output; verified in the same step, greedy and seeded output "
+        "unchanged). See docs/ENGINE.md.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most proposals per request and step.")
+    speculative_ngram_min: int = Field(2, ge=1, le=8, description="Shortest n-gram matched (ngram method).")
+    speculative_ngram_max: int = Field(4, ge=1, le=8, description="Longest n-gram matched, tried first.")
+    speculative_max_step_tokens: int = Field(
+        32, ge=1, description="Proposals are made only while a step's decode tokens plus proposals stay "
+        "within this: a larger step is compute-bound and speculation would only cost.")
     kv_cache_memory: str = Field("1GiB", description="KV-cache pool size, e.g. 2GiB.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV-cache element type; auto = the model's dtype. bfloat16 with a float32 model "
@@ -81,6 +98,9 @@ class Settings(BaseSettings):
     batch_min_share: float = Field(
         0.1, ge=0.0, le=1.0, description="Share of each step's token budget guaranteed to the batch tier."
     )
+    fair_share: bool = Field(
+        True, description="Within each tier, admit waiting requests round-robin over tenants by tokens (deficit "
+        "round robin, weighted by tenants.fair_share_weight) instead of in arrival order. See docs/ENGINE.md.")
     torch_threads: int | None = Field(None, description="torch intra-op threads (default: all cores).")
 
     # --- queue and worker ---------------------------------------------------------------------------
@@ -108,6 +128,13 @@ class Settings(BaseSettings):
     sse_max_streams: int = Field(
         1000, ge=1, description="Most server-sent event streams one API process serves at once (503 above); each "
         "holds at most one Redis connection, and the streams' Redis pool is sized to match.")
+    batch_file_max_bytes: int = Field(
+        200_000_000, ge=1024, description="Largest file `POST /v1/files` accepts (OpenAI's Batch API limit, 200 MB; "
+        "413 above). Read in chunks and stored in PostgreSQL a part at a time, never held whole in memory.")
+    batch_max_lines: int = Field(50_000, ge=1, description="Most requests in one batch input file (400 above).")
+    batch_completion_window_seconds: float = Field(
+        86_400.0, gt=0, le=7 * 86400, description="What a batch's `completion_window` of \"24h\" means: its jobs' "
+        "deadline, after which the batch expires (shorter only for tests).")
     webhook_allowlist: str = Field("", description="Comma-separated hosts or CIDRs that webhooks may target even if private.")
     webhook_max_attempts: int = 8
     webhook_timeout_seconds: float = 10.0

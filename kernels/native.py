@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,8 +90,12 @@ def build(name: str, sources: Sequence[str], defines: Mapping[str, object] | Non
     parts = [f"{n}\0{t}" for n, t in texts.items()] + [" ".join(FLAGS), " ".join(dflags), cc, cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib_path = cache_dir() / f"{name}_{key}.so"
-    if not lib_path.exists() and not _compile(name, cc, sources, texts, dflags, lib_path):
-        return None
+    if not lib_path.exists():
+        started = time.monotonic()
+        log.info("building C kernels %s (once per machine; cached in %s)", name, lib_path.parent)
+        if not _compile(name, cc, sources, texts, dflags, lib_path):
+            return None
+        log.info("built C kernels %s in %.1f s", name, time.monotonic() - started)
     try:
         return ctypes.CDLL(str(lib_path))
     except OSError as exc:

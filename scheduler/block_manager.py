@@ -164,6 +164,18 @@ class BlockManager:
                 self.cached[keys[i]] = block.block_id
         self._num_registered[request.request_id] = full
 
+    def trim(self, request: Request) -> None:
+        """Return the blocks past the request's computed tokens (after a step that rejected speculative
+        proposals). They were never registered in the prefix cache, so they go to the head of the free
+        queue: the first to be reused, before any block that holds a cached prefix."""
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        while len(request.block_table) > keep:
+            block = self.blocks[request.block_table.pop()]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = None
+                self.free_queue.move_to_end(block.block_id, last=False)
+
     def free(self, request: Request) -> None:
         """Drop the request's references. Blocks are queued tail-first so that a prefix's later blocks
         are evicted before its earlier (more shareable) ones."""

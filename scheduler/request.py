@@ -89,6 +89,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value after which the request expires
     cache_namespace: str = ""  # prefix-cache salt: tenants never share cached blocks across namespaces
+    tenant: str = ""  # fair-share key: waiting requests are admitted round-robin over tenants (fairness.py)
+    weight: float = 1.0  # the tenant's fair-share weight (its share of admitted tokens, relative to others)
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int | None = None
 
@@ -103,12 +105,19 @@ class Request:
     error: str | None = None  # why the request was rejected (finish_reason ERROR)
     # Prefix-cache keys of the leading full blocks of all_token_ids (memoised by the block manager).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Speculative decoding: tokens proposed for the positions after the last known one, verified by the
+    # next step (set by the engine's proposer, consumed or dropped by the scheduler); running totals.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if not isinstance(self.tier, Tier):
             self.tier = Tier(self.tier)
+        if not self.weight > 0:  # also refuses NaN
+            raise ValueError("weight must be > 0")
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -134,6 +143,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """Running with every known token but the last in the cache: the next step samples one token (or
+        verifies proposals)."""
+        return self.status is RequestStatus.RUNNING and self.num_tokens - self.num_computed_tokens == 1
 
     @property
     def max_total_tokens(self) -> int:

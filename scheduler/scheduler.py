@@ -6,13 +6,14 @@ prompt is simply computed over several steps (chunked prefill). See docs/ENGINE.
 
 from __future__ import annotations
 
-import bisect
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from inferq.log import get_logger
 from scheduler.block_manager import BlockManager, cdiv
+from scheduler.fairness import FairQueue
 from scheduler.request import FinishReason, Request, RequestStatus, Tier
 
 log = get_logger(__name__)
@@ -25,6 +26,10 @@ class SchedulerConfig:
     policy: Literal["continuous", "static"] = "continuous"
     batch_min_share: float = 0.1  # of the token budget, guaranteed to the batch tier when it has work
     max_model_len: int | None = None  # default for requests that carry none
+    fair_share: bool = True  # admit each tier's waiting requests round-robin over tenants (scheduler/fairness.py)
+    # Tokens per tenant turn, times its weight. Small, so a turn admits about one request and a newcomer waits
+    # behind at most about one request of each busy tenant; a dearer request saves up over several turns.
+    fair_share_quantum: int = 64
 
 
 @dataclass
@@ -42,15 +47,30 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
-        # Per tier, ordered by priority (higher first), FIFO within a priority; preempted requests go
-        # to the front of their priority group.
-        self.waiting: dict[Tier, list[Request]] = {Tier.INTERACTIVE: [], Tier.BATCH: []}
+        # Per tier; admitted round-robin over tenants by tokens (fair share), each tenant's requests by
+        # priority (higher first), FIFO within a priority; preempted requests go to the front of their
+        # priority group.
+        self.waiting: dict[Tier, FairQueue] = {tier: self._new_queue() for tier in Tier}
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         self.num_preemptions = 0
         self._finished: list[Request] = []  # ended between steps, reported by the next schedule()
         self._cohort: set[str] = set()  # static policy: the batch being run to completion
         self._num_deadlines = 0
+
+    def _new_queue(self) -> FairQueue:
+        # The static policy's cohort is simply the first requests in order: fair share applies to continuous.
+        fair = self.config.fair_share and self.config.policy == "continuous"
+        return FairQueue(self.config.fair_share_quantum, fair=fair)
+
+    def set_fair_share(self, on: bool) -> None:
+        """Turn fair sharing on or off (benchmarks compare both in one process); the waiting requests are
+        queued again in scheduling order (tier, priority, arrival), so do it while few wait."""
+        self.config.fair_share = on
+        for tier, old in list(self.waiting.items()):
+            self.waiting[tier] = self._new_queue()
+            for req in sorted(old, key=lambda r: r.sort_key):
+                self.waiting[tier].add(req)
 
     # --- admission ---------------------------------------------------------------------------------
     def rejection_reason(self, req: Request) -> str | None:
@@ -133,7 +153,7 @@ class Scheduler:
                 self.finish(req, FinishReason.DEADLINE)
                 out.finished.append(req)
         if self.config.policy == "static" and not self._cohort:
-            order = self.waiting[Tier.INTERACTIVE] + self.waiting[Tier.BATCH]
+            order = [*self.waiting[Tier.INTERACTIVE], *self.waiting[Tier.BATCH]]
             self._cohort = {r.request_id for r in order[: self.config.max_num_seqs]}
 
         self.running.sort(key=lambda r: r.sort_key)
@@ -144,7 +164,8 @@ class Scheduler:
         # request is never preempted by interactive work, and interactive admissions leave free the
         # blocks (and, if the head waits, the seat) the head needs for its next `reserve` tokens.
         budget = self.config.max_batched_tokens
-        head = run_b[0] if run_b else (wait_b[0] if wait_b and self._admissible(wait_b[0]) else None)
+        next_b = wait_b.peek()
+        head = run_b[0] if run_b else (next_b if next_b is not None and self._admissible(next_b) else None)
         reserve = head_blocks = seats = 0
         if head is not None and self.config.batch_min_share > 0:
             share = max(1, int(self.config.batch_min_share * budget))
@@ -160,7 +181,8 @@ class Scheduler:
         used = self._run(run_i, budget - reserve, out, done, protect=head)
         used += self._admit(wait_i, budget - reserve - used, out, done, protect=head, reserve=head_blocks, seats=seats)
         used += self._run([r for r in run_b if r.status is RequestStatus.RUNNING], budget - used, out, done)
-        self._admit(wait_b, budget - used, out, done)
+        used += self._admit(wait_b, budget - used, out, done)
+        self._grant_proposals(out, budget - used)
         return out
 
     def _run(self, reqs: list[Request], budget: int, out: SchedulerOutput, done: set[int],
@@ -184,18 +206,37 @@ class Scheduler:
                 used += n
         return used
 
-    def _admit(self, queue: list[Request], budget: int, out: SchedulerOutput, done: set[int],
+    def _grant_proposals(self, out: SchedulerOutput, budget: int) -> None:
+        """Speculative proposals (``spec_token_ids``) are verified only with what is left of the token
+        budget and the free blocks once every ordinary token is scheduled, most important request first:
+        a guess never displaces a prefill chunk or a decode, nor preempts anyone."""
+        for i, (req, n) in enumerate(out.scheduled):
+            k = min(len(req.spec_token_ids), budget) if n == 1 and req.is_decoding else 0
+            if k and not self.bm.append_slots(req, n + k):
+                k = 0
+            req.spec_token_ids = req.spec_token_ids[:k]
+            if k:
+                out.scheduled[i] = (req, n + k)
+                budget -= k
+
+    def _admission_order(self, queue: FairQueue) -> Iterator[Request]:
+        """The waiting requests in the order they may be admitted: the fair (DRR) order, one at a time (the
+        caller admits or stops before asking for the next); static policy: the current cohort, in order."""
+        if self.config.policy == "static":
+            yield from [r for r in queue if self._admissible(r)]
+            return
+        while (req := queue.peek()) is not None:
+            yield req
+
+    def _admit(self, queue: FairQueue, budget: int, out: SchedulerOutput, done: set[int],
                protect: Request | None = None, reserve: int = 0, seats: int = 0) -> int:
-        """Admit waiting requests in order (no overtaking: a head that does not fit blocks its queue),
-        leaving ``reserve`` blocks and ``seats`` running slots free. An interactive request finding every
-        seat taken preempts a batch one for its seat, as it would for blocks."""
-        used = i = 0
-        while i < len(queue) and budget - used > 0:
-            req = queue[i]
-            if not self._admissible(req):  # static policy: only the current cohort
-                i += 1
-                continue
-            if id(req) in done:
+        """Admit waiting requests in admission order (no overtaking: one that does not fit blocks its
+        queue), leaving ``reserve`` blocks and ``seats`` running slots free. An interactive request finding
+        every seat taken preempts a batch one for its seat, as it would for blocks."""
+        used = 0
+        for req in self._admission_order(queue):
+            # A request preempted this step (for blocks running work needs) stops its tier's admissions.
+            if budget - used <= 0 or any(r.tier is req.tier for r in out.preempted):
                 break
             if len(self.running) >= self.config.max_num_seqs - seats:
                 victim = self._victim(req, done, protect, batch_only=True) if req.tier is Tier.INTERACTIVE else None
@@ -211,7 +252,7 @@ class Scheduler:
                     return used
                 self._preempt(victim, out, done)
             self.bm.allocate(req, n, hit)
-            queue.pop(i)
+            queue.pop(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
@@ -234,6 +275,7 @@ class Scheduler:
         """Preempt by recompute: drop its KV, keep its outputs (recomputed later as part of its tokens)."""
         self.running.remove(req)
         self.bm.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -244,34 +286,50 @@ class Scheduler:
         log.debug("preempted", request_id=req.request_id, tier=req.tier.value, tokens=req.num_tokens)
 
     def _enqueue(self, req: Request, front: bool = False) -> None:
-        queue = self.waiting[req.tier]
-        find = bisect.bisect_left if front else bisect.bisect_right
-        queue.insert(find(queue, -req.priority, key=lambda r: -r.priority), req)
+        self.waiting[req.tier].add(req, front=front)
 
     # --- after the model ran ---------------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advance each scheduled request by its computed tokens, append its sampled token, cache its
-        newly full blocks and apply token-level stops. Returns the requests finished here."""
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | list[int] | None]) -> list[Request]:
+        """Advance each scheduled request by its computed tokens, append its sampled token (or, for a
+        request that verified proposals, the accepted ones and the token after them), cache its newly full
+        blocks and apply token-level stops. Returns the requests finished here."""
         finished = []
         for (req, n), token in zip(out.scheduled, sampled, strict=True):
             if req.is_finished:  # aborted while the step ran
                 continue
+            tokens = token if isinstance(token, list) else [] if token is None else [token]
+            if req.spec_token_ids:
+                n -= self._settle_proposals(req, len(tokens) - 1)
+            req.output_token_ids.extend(tokens)  # before caching: full blocks are hashed from these ids
             req.num_computed_tokens += n
+            self.bm.trim(req)
             self.bm.cache_blocks(req)
-            if token is None:
-                continue
-            req.output_token_ids.append(token)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, reason)
-                finished.append(req)
+            for i, tok in enumerate(tokens):
+                reason = self._stop_reason(req, tok, len(tokens) - 1 - i)
+                if reason is not None:
+                    del req.output_token_ids[len(req.output_token_ids) - (len(tokens) - 1 - i):]
+                    self.finish(req, reason)
+                    finished.append(req)
+                    break
         return finished
 
     @staticmethod
-    def _stop_reason(req: Request, token: int) -> FinishReason | None:
+    def _settle_proposals(req: Request, accepted: int) -> int:
+        """Count a verified step's proposals; returns how many computed positions held rejected ones (their
+        KV is dropped: the slots are reused, the blocks past the cache's end returned by ``trim``)."""
+        k = len(req.spec_token_ids)
+        req.num_spec_proposed += k
+        req.num_spec_accepted += accepted
+        req.spec_token_ids = []
+        return k - accepted
+
+    @staticmethod
+    def _stop_reason(req: Request, token: int, later: int = 0) -> FinishReason | None:
+        """Why the request ends at ``token``, which ``later`` more appended tokens follow (None: go on)."""
         sp = req.sampling
         if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
             return FinishReason.STOP
-        if req.num_output_tokens >= sp.max_tokens or (req.max_model_len and req.num_tokens >= req.max_model_len):
+        outputs, total = req.num_output_tokens - later, req.num_tokens - later
+        if outputs >= sp.max_tokens or (req.max_model_len and total >= req.max_model_len):
             return FinishReason.LENGTH
         return None

@@ -5,6 +5,7 @@ the README's test command when they are down)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -23,9 +24,9 @@ def _with_db(url: str, name: str) -> str:
     return url.rsplit("/", 1)[0] + "/" + name
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for this test run, migrated with Alembic; dropped at the end."""
+@contextlib.contextmanager
+def fresh_database() -> Iterator[str]:
+    """A new PostgreSQL database migrated with Alembic (its URL); dropped on exit."""
     from inferq.migrate import upgrade
 
     name = f"inferq_test_{uuid.uuid4().hex[:12]}"
@@ -33,11 +34,21 @@ def pg_url() -> Iterator[str]:
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = _with_db(PG_ADMIN_URL, name)
-    upgrade(url)
-    yield url
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test run, shared by its tests; a module whose assertions count
+    every row (the reconciler's) overrides it with a database of its own (``fresh_database``)."""
+    with fresh_database() as url:
+        yield url
 
 
 @pytest.fixture

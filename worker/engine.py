@@ -30,6 +30,8 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
+    spec_proposed_tokens: int = 0  # speculative proposals verified (finished requests)
+    spec_accepted_tokens: int = 0  # of which accepted
     steps: int = 0
     busy_seconds: float = 0.0
     kv_usage_peak: float = 0.0
@@ -99,7 +101,7 @@ class LLMEngine:
                 kv_cache_dtype=settings.kv_cache_dtype, kv_cache_prefault=settings.kv_cache_prefault,
                 block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
                 max_batched_tokens=settings.max_batched_tokens, torch_threads=settings.torch_threads,
-                max_model_len=settings.max_model_len,
+                max_model_len=settings.max_model_len, attention_backend=settings.attention_backend,
             )
             if tokenizer is None:
                 from transformers import AutoTokenizer
@@ -113,9 +115,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=settings.max_num_seqs, max_batched_tokens=settings.max_batched_tokens,
                             policy=settings.policy, batch_min_share=settings.batch_min_share,
-                            max_model_len=self.max_model_len),
+                            max_model_len=self.max_model_len, fair_share=settings.fair_share),
             self.block_manager,
         )
+        self.speculation = _make_speculation(settings)
         self.stats = EngineStats()
         self._tracks: dict[str, _Track] = {}
         self._done: dict[str, _Track] = {}  # tracks finished during the current step (still charged)
@@ -173,15 +176,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0, start = time.perf_counter(), time.monotonic()
         self._done.clear()
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         outputs = [self._final(r, time.monotonic()) for r in sched.finished if r.request_id in self._tracks]
         if not sched.scheduled:
             return outputs
         usage = self.block_manager.usage
+        before = [req.num_output_tokens for req, _ in sched.scheduled]
         sampled = self.runner.execute(sched.scheduled)
         self.scheduler.postprocess(sched, sampled)
         now = time.monotonic()
-        for (req, _), token in zip(sched.scheduled, sampled, strict=True):
+        for (req, _), token, n_before in zip(sched.scheduled, sampled, before, strict=True):
             tr = self._tracks[req.request_id]
             tr.computed = max(tr.computed, req.num_computed_tokens)
             if tr.first_scheduled is None:
@@ -192,7 +198,8 @@ class LLMEngine:
             if tr.first_token is None:
                 tr.first_token = now
                 tr.usage.time_to_first_token = max(0.0, now - req.arrival_time)
-            outputs.append(self._token_output(tr, token, now))
+            # What postprocess appended: one token, or accepted proposals + one, cut at a stop.
+            outputs.append(self._token_output(tr, req.output_token_ids[n_before:], now))
         # Charge the step's wall time to the requests in it, by tokens (sums to busy_seconds).
         dt = time.perf_counter() - t0
         total = sched.num_batched_tokens
@@ -212,24 +219,36 @@ class LLMEngine:
         st.prefix_hit_rate = self.block_manager.hit_rate
         return outputs
 
-    def _token_output(self, tr: _Track, token: int, now: float) -> RequestOutput:
+    def _token_output(self, tr: _Track, tokens: list[int], now: float) -> RequestOutput:
+        """The text delta of a step's new tokens; a stop string ends the request at the token completing it
+        (later tokens of the same step, from accepted proposals, are dropped)."""
         req = tr.request
         delta = ""
         # The token that ended the request by id (EOS / stop_token_ids) is not part of the text.
-        stop_token = req.finish_reason is FinishReason.STOP
-        if tr.detok is not None and not stop_token:
-            delta = tr.detok.step([token])
+        text_tokens = tokens[:-1] if req.finish_reason is FinishReason.STOP else tokens
+        for i, token in enumerate(text_tokens if tr.detok is not None else ()):
+            delta += tr.detok.step([token])
             if tr.detok.stopped is not None:
-                if req.is_finished:  # same token also hit max_tokens: the stop string explains it
-                    req.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish(req, FinishReason.STOP)
+                tokens = self._cut_at_stop_string(req, tokens, i)
+                break
         if req.is_finished:
-            return self._final(req, now, delta, [token])
-        return RequestOutput(req.request_id, text_delta=delta, new_token_ids=[token])
+            return self._final(req, now, delta, tokens)
+        return RequestOutput(req.request_id, text_delta=delta, new_token_ids=tokens)
+
+    def _cut_at_stop_string(self, req: Request, tokens: list[int], i: int) -> list[int]:
+        """End ``req`` with STOP at ``tokens[i]``, which completed a stop string; returns the tokens kept."""
+        if extra := len(tokens) - 1 - i:
+            del req.output_token_ids[-extra:]
+        if req.is_finished:  # the same token also hit max_tokens (or a stop id): the stop string explains it
+            req.finish_reason = FinishReason.STOP
+        else:
+            self.scheduler.finish(req, FinishReason.STOP)
+        return tokens[: i + 1]
 
     def _final(self, req: Request, now: float, delta: str = "", new_ids: list[int] | None = None) -> RequestOutput:
         tr = self._tracks.pop(req.request_id)
+        if self.speculation is not None:
+            self.speculation.forget(req.request_id)
         self._done[req.request_id] = tr
         if tr.detok is not None and tr.detok.stopped is None:
             delta += tr.detok.flush()
@@ -237,6 +256,7 @@ class LLMEngine:
         u.prompt_tokens = min(req.num_prompt_tokens, max(tr.computed, req.num_computed_tokens))
         u.cached_prompt_tokens = min(req.num_cached_tokens, u.prompt_tokens)
         u.completion_tokens = req.num_output_tokens
+        u.spec_proposed_tokens, u.spec_accepted_tokens = req.num_spec_proposed, req.num_spec_accepted
         if tr.first_scheduled is not None:
             first = tr.first_token if tr.first_token is not None else now
             u.prefill_seconds = max(0.0, first - tr.first_scheduled)
@@ -248,6 +268,8 @@ class LLMEngine:
         st.prompt_tokens += u.prompt_tokens
         st.cached_prompt_tokens += u.cached_prompt_tokens
         st.completion_tokens += u.completion_tokens
+        st.spec_proposed_tokens += u.spec_proposed_tokens
+        st.spec_accepted_tokens += u.spec_accepted_tokens
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         st.finish_reasons[reason] = st.finish_reasons.get(reason, 0) + 1
         return RequestOutput(
@@ -263,3 +285,11 @@ class LLMEngine:
             done += [o for o in self.step() if o.finished]
         return done
 
+
+def _make_speculation(settings: Settings):
+    """The speculation policy the settings ask for, or None (``speculative_method=off``)."""
+    if settings.speculative_method == "off":
+        return None
+    from worker.speculation import Speculation
+
+    return Speculation.from_settings(settings)

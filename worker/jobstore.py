@@ -6,7 +6,10 @@ claimed yet), ``final_q`` (finished jobs whose result is not written yet) and ``
 times). ``call`` runs one database operation; a connection-level failure (``is_db_outage``) becomes
 ``DBUnavailable`` for the caller, which keeps its work, and the next try is scheduled with exponential back-off
 (0.1 s doubling, at most 5 s). Past ``db_retry_max_seconds`` of outage ``on_give_up`` is called: the worker
-drops its local work without acknowledging it (the messages are reclaimed once the database is back).
+drops the work it has not done without acknowledging it (the messages are reclaimed once the database is
+back), but keeps the results it has computed (``abandon``: at most ``MAX_HELD_RESULTS``, their messages still
+heartbeated) and writes them when the database returns instead of having them computed again. Those writes
+are fenced like any other: a job another worker took over meanwhile refuses its late result.
 
 Finishing a job is ONE transaction: fenced status update (``attempts``/``worker``: a worker whose job was
 taken over cannot write) + result row + ledger row. A result PostgreSQL refuses for that one job (SQLSTATE
@@ -33,6 +36,9 @@ from worker.streams import Message
 
 DB_BACKOFF_FIRST = 0.1
 DB_BACKOFF_CAP = 5.0
+# finished results held through an outage longer than db_retry_max_seconds (memory: each holds its text and
+# token ids); beyond it the newest are dropped, their messages reclaimed and the jobs computed again
+MAX_HELD_RESULTS = 1000
 # errors about one job's rows (SQLSTATE classes 22 and 23): that job fails, the worker goes on
 ROW_ERRORS = (DataError, IntegrityError)
 
@@ -243,7 +249,9 @@ class JobStore:
         o = f.outcome  # billed like any failed job: for what was computed
         f.outcome = jobs.Outcome(status="failed", finish_reason="error", error=reason, prompt_tokens=o.prompt_tokens,
                                  cached_prompt_tokens=o.cached_prompt_tokens, completion_tokens=o.completion_tokens,
-                                 compute_seconds=o.compute_seconds, first_token_at=o.first_token_at)
+                                 compute_seconds=o.compute_seconds, first_token_at=o.first_token_at,
+                                 spec_proposed_tokens=o.spec_proposed_tokens,
+                                 spec_accepted_tokens=o.spec_accepted_tokens)
         fence = jobs.owned_by(f.inf.attempt, self.name)
         try:
             ok = jobs.finish(s, f.inf.job_id, f.outcome, from_statuses=("running",),
@@ -261,7 +269,19 @@ class JobStore:
         s.rollback()
         return self._written_already(s, f)
 
-    # --- shutdown and repair ---------------------------------------------------------------------------------
+    # --- long outages, shutdown and repair --------------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """The database has been down past ``db_retry_max_seconds``: forget the claims not made and the
+        first-token times (their messages are reclaimed later), keep the finished results (bounded)."""
+        self.start_q.clear()
+        self.pending_first.clear()
+        if len(self.final_q) > MAX_HELD_RESULTS:
+            dropped = self.final_q[MAX_HELD_RESULTS:]
+            del self.final_q[MAX_HELD_RESULTS:]
+            self.log.warning("too many results held through the outage; the newest will be computed again",
+                             held=len(self.final_q), dropped=len(dropped))
+
 
     def give_back(self, infs: list[InFlight]) -> list[InFlight]:
         """``running -> queued`` (fenced on our attempt) for ``infs``; returns those given back, none while the

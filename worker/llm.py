@@ -96,39 +96,53 @@ class LLM:
         self.engine = LLMEngine(settings, **options)
 
     def generate(self, requests: list[dict[str, Any]],
-                 on_progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+                 on_result: Callable[[int, dict[str, Any]], None] | None = None,
+                 on_tokens: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
         """Run all ``requests`` (dicts in the JSONL input schema); one output dict per input, in order.
-        ``on_progress(n)`` is called with the number of newly finished lines."""
-        engine = self.engine
+        ``on_result(i, row)`` is called as each line finishes (refused lines at once), so a caller can save
+        results before the whole batch is done; ``on_tokens(n)`` after each step with the tokens it made."""
         results: list[dict[str, Any] | None] = [None] * len(requests)
+
+        def finish(i: int, row: dict[str, Any]) -> None:
+            results[i] = row
+            if on_result:
+                on_result(i, row)
+
         for i, raw in enumerate(requests):
-            rid = raw.get("id") if isinstance(raw, dict) else None
-            try:
-                if not isinstance(raw, dict):
-                    raise ValueError("a request must be a JSON object")
-                line = GenerateRequest.model_validate(raw)
-                ids = engine.encode(prompt=line.prompt, prompt_ids=line.prompt_ids,
-                                    messages=[m.model_dump() for m in line.messages] if line.messages else None)
-                engine.add_request(Request(str(i), ids, line.sampling(), tier=Tier(line.tier), priority=line.priority))
-            except ValidationError as exc:
-                results[i] = {"id": rid, "error": describe_validation(exc)}
-            except ValueError as exc:
-                results[i] = {"id": rid, "error": str(exc)}
-            else:
-                continue
-            if on_progress:
-                on_progress(1)
+            error = self._add(i, raw)
+            if error is not None:
+                finish(i, {"id": raw.get("id") if isinstance(raw, dict) else None, "error": error})
+        engine = self.engine
         while engine.has_unfinished():
-            finished = [o for o in engine.step() if o.finished]
-            for o in finished:
-                i = int(o.request_id)
-                rid = requests[i].get("id")
-                if o.error:
-                    results[i] = {"id": rid, "error": o.error}
-                else:
-                    results[i] = {"id": rid, "text": o.text, "token_ids": o.token_ids,
-                                  "finish_reason": o.finish_reason.value if o.finish_reason else None,
-                                  "usage": o.usage.to_dict() if o.usage else None}
-            if on_progress and finished:
-                on_progress(len(finished))
+            outputs = engine.step()
+            if on_tokens:
+                on_tokens(sum(len(o.new_token_ids or ()) for o in outputs))
+            for o in outputs:
+                if o.finished:
+                    finish(int(o.request_id), _row(requests[int(o.request_id)].get("id"), o))
         return results  # type: ignore[return-value]
+
+    def _add(self, i: int, raw: Any) -> str | None:
+        """Validate line ``i`` and add it to the engine; the reason it cannot run, or None."""
+        engine = self.engine
+        try:
+            if not isinstance(raw, dict):
+                raise ValueError("a request must be a JSON object")
+            line = GenerateRequest.model_validate(raw)
+            ids = engine.encode(prompt=line.prompt, prompt_ids=line.prompt_ids,
+                                messages=[m.model_dump() for m in line.messages] if line.messages else None)
+            engine.add_request(Request(str(i), ids, line.sampling(), tier=Tier(line.tier), priority=line.priority))
+        except ValidationError as exc:
+            return describe_validation(exc)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+
+def _row(rid: Any, o: Any) -> dict[str, Any]:
+    """The output line of a finished request."""
+    if o.error:
+        return {"id": rid, "error": o.error}
+    return {"id": rid, "text": o.text, "token_ids": o.token_ids,
+            "finish_reason": o.finish_reason.value if o.finish_reason else None,
+            "usage": o.usage.to_dict() if o.usage else None}

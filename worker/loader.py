@@ -16,10 +16,12 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inferq.log import get_logger
 from worker.model_config import ModelConfig, ModelError, load_config
 
 __all__ = [
@@ -50,6 +52,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 _ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m": DEFAULT_MODEL, "SmolLM2-135M-Instruct": DEFAULT_MODEL}
 
 _convert_lock = threading.Lock()
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,17 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, settings: Any =
             if not _is_converted(target):
                 if target.exists():  # a leftover without the marker: replace it
                     shutil.rmtree(target, ignore_errors=True)
+                source = _gguf_source(KNOWN_MODELS[key])
+                started = time.monotonic()
+                log.info("converting model (first use; later starts reuse the result)", model=key,
+                         source=str(source), target=str(target))
                 try:
-                    convert_gguf(_gguf_source(KNOWN_MODELS[key]), target)
+                    convert_gguf(source, target)
                 except ModelError:
                     raise
                 except Exception as exc:
                     raise ModelError(f"converting model {key!r} into {target} failed: {exc}") from exc
+                log.info("model converted", model=key, seconds=round(time.monotonic() - started, 1))
         return target
     path = Path(name).expanduser()
     if not path.exists() and os.sep not in name and not name.startswith("."):

@@ -9,7 +9,7 @@ The runner never mutates a request.
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inferq.log import get_logger
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 from kernels.backend import get_backend
 from scheduler.request import Request
@@ -24,7 +25,7 @@ from worker.loader import ModelInfo, model_info
 from worker.model import CausalLM, load_config, resolve_device, resolve_dtype
 from worker.sampler import Sampler
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -42,7 +43,8 @@ class StepInputs:
     seq_lens: np.ndarray  # int64 [S]: context length including this step's tokens
     query_start_loc: np.ndarray  # int64 [S+1]
     sample_rows: np.ndarray  # sequences (in this order) that sample a token this step
-    logits_indices: np.ndarray  # int64: the token row of each sampling sequence's last token
+    num_logits: np.ndarray  # int64, per sampling sequence: 1, or 1 + its proposals (each position verified)
+    logits_indices: np.ndarray  # int64: the token rows whose logits are computed, num_logits per sequence
 
 
 def _check_batch(batch: Sequence[tuple[Request, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -52,7 +54,7 @@ def _check_batch(batch: Sequence[tuple[Request, int]]) -> tuple[np.ndarray, np.n
     starts = np.fromiter((r.num_computed_tokens for r, _ in batch), dtype=np.int64, count=n_seq)
     if (q_lens < 1).any():
         raise ValueError("every scheduled request must compute at least one token")
-    totals = np.fromiter((r.num_tokens for r, _ in batch), dtype=np.int64, count=n_seq)
+    totals = np.fromiter((r.num_tokens + len(r.spec_token_ids) for r, _ in batch), dtype=np.int64, count=n_seq)
     if (starts + q_lens > totals).any():
         bad = int(np.flatnonzero(starts + q_lens > totals)[0])
         r = batch[bad][0]
@@ -75,8 +77,23 @@ def _input_ids(reqs: list[Request], starts: np.ndarray, q_lens: np.ndarray) -> l
                 else r.prompt_token_ids[c]
             )
         else:
-            ids.extend(r.all_token_ids[c : c + n])
+            ids.extend((r.all_token_ids + r.spec_token_ids)[c : c + n])
     return ids
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """``concat(arange(c) for c in counts)``, without a Python loop."""
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) - starts
+
+
+def _load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model's weights, their loading logged as it goes (it is most of a worker's start)."""
+    started = time.monotonic()
+    log.info("loading weights", model_dir=str(model_dir), dtype=str(dtype), device=str(device))
+    model = CausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
+    log.info("weights loaded", seconds=round(time.monotonic() - started, 2))
+    return model
 
 
 class ModelRunner:
@@ -103,7 +120,7 @@ class ModelRunner:
         self.device = resolve_device(device)
         config = load_config(self.model_dir)
         self.dtype = resolve_dtype(dtype, self.device, config)
-        self.model = CausalLM.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device)
+        self.model = _load_weights(self.model_dir, self.dtype, self.device)
         info = model_info(self.model_dir, dtype=_DTYPE_NAMES.get(self.dtype, str(self.dtype)), config=config)
         if max_model_len:
             from dataclasses import replace
@@ -123,6 +140,7 @@ class ModelRunner:
                 f"kv cache budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes: "
                 f"block_size {self.block_size} x {config.num_layers} layers x K/V)"
             )
+        log.info("sizing the KV pool", blocks=self.num_blocks, tokens=self.num_blocks * self.block_size)
         self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype,
                                                       prefault=kv_cache_prefault)
         if isinstance(attention_backend, str) or attention_backend is None:
@@ -130,16 +148,9 @@ class ModelRunner:
         else:
             self.backend = attention_backend
         self.sampler = Sampler(self.device, seed=seed)
-        log.info(
-            "model runner ready: %s on %s (%s), %d KV blocks of %d tokens, attention %s, threads %d",
-            self.model_dir,
-            self.device,
-            self.info.dtype,
-            self.num_blocks,
-            self.block_size,
-            getattr(self.backend, "name", type(self.backend).__name__),
-            torch.get_num_threads(),
-        )
+        log.info("model runner ready", model_dir=str(self.model_dir), device=str(self.device), dtype=self.info.dtype,
+                 kv_blocks=self.num_blocks, block_size=self.block_size, threads=torch.get_num_threads(),
+                 attention=getattr(self.backend, "name", type(self.backend).__name__))
 
     # -- batch preparation ---------------------------------------------------------------------------
 
@@ -159,6 +170,10 @@ class ModelRunner:
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
         slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         sample_rows = np.flatnonzero(seq_lens == totals[order])
+        num_logits = np.fromiter((1 + len(reqs[i].spec_token_ids) for i in sample_rows), dtype=np.int64,
+                                 count=len(sample_rows))
+        ends = qsl[1:][sample_rows]
+        logits_indices = np.repeat(ends - num_logits, num_logits) + _ranges(num_logits)
         return StepInputs(
             order=order,
             requests=reqs,
@@ -169,7 +184,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_start_loc=qsl,
             sample_rows=sample_rows,
-            logits_indices=qsl[1:][sample_rows] - 1,
+            num_logits=num_logits,
+            logits_indices=logits_indices,
         )
 
     def _block_tables(self, reqs: list[Request], seq_lens: np.ndarray) -> np.ndarray:
@@ -222,20 +238,35 @@ class ModelRunner:
         return step, logits
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[tuple[Request, int]]) -> list[int | None]:
-        """Run one step; the next token for each request that reached its end, else None (caller's order)."""
+    def execute(self, batch: Sequence[tuple[Request, int]]) -> list[int | list[int] | None]:
+        """Run one step; per request (caller's order): the next token if it reached its end, None if not; a
+        request with proposals (``spec_token_ids``) gets the list of its accepted proposals plus one token.
+
+        Verification samples every proposal's position exactly as plain decoding would (same sampler, same
+        output index, so the same seeded noise) and keeps proposals while they equal the sampled token. The
+        proposers are deterministic (a point-mass draft q), for which this is the standard rejection rule:
+        a proposal x is kept with probability p(x) = min(1, p(x)/q(x)), and a rejected position's sampled
+        token is distributed as p without x, i.e. normalised max(0, p - q). Greedy output is identical to
+        non-speculative decoding, and so is a seeded request's; unseeded sampling has the same distribution.
+        """
         if not batch:
             return []
         step, logits = self._forward(batch)
-        results: list[int | None] = [None] * len(batch)
+        results: list[int | list[int] | None] = [None] * len(batch)
         if step.sample_rows.size == 0:
             return results
         sampled = [step.requests[i] for i in step.sample_rows]
-        tokens = self.sampler.sample(
-            logits, [r.sampling for r in sampled], [r.num_output_tokens for r in sampled]
-        )
-        for row, tok in zip(step.sample_rows.tolist(), tokens, strict=True):
-            results[int(step.order[row])] = int(tok)
+        counts = step.num_logits.tolist()
+        params = [r.sampling for r, c in zip(sampled, counts, strict=True) for _ in range(c)]
+        indices = [r.num_output_tokens + j for r, c in zip(sampled, counts, strict=True) for j in range(c)]
+        tokens = self.sampler.sample(logits, params, indices)
+        at = 0
+        for row, req, c in zip(step.sample_rows.tolist(), sampled, counts, strict=True):
+            if c == 1:
+                results[int(step.order[row])] = int(tokens[at])
+            else:
+                results[int(step.order[row])] = _accept(req.spec_token_ids, tokens[at:at + c])
+            at += c
         return results
 
     @torch.inference_mode()
@@ -246,6 +277,16 @@ class ModelRunner:
             return []
         step, logits = self._forward(batch)
         out: list[torch.Tensor | None] = [None] * len(batch)
+        last = np.cumsum(step.num_logits) - 1  # the row of each sequence's last position
         for j, row in enumerate(step.sample_rows.tolist()):
-            out[int(step.order[row])] = logits[j].cpu()
+            out[int(step.order[row])] = logits[int(last[j])].cpu()
         return out
+
+
+def _accept(proposals: list[int], sampled: list[int]) -> list[int]:
+    """The sampled tokens up to and including the first that differs from its proposal (all of them when
+    every proposal holds: the last is the token after the accepted ones)."""
+    for i, tok in enumerate(proposals):
+        if sampled[i] != tok:
+            return [int(t) for t in sampled[: i + 1]]
+    return [int(t) for t in sampled]

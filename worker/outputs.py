@@ -23,6 +23,8 @@ class Usage:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     compute_seconds: float = 0.0
+    spec_proposed_tokens: int = 0  # speculative decoding: proposals verified for this request
+    spec_accepted_tokens: int = 0  # of which accepted (each saved one step; billing stays per output token)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -42,7 +42,7 @@ from typing import Any
 import redis as redis_lib
 import structlog
 
-from inferq import jobs
+from inferq import jobs, models_registry
 from inferq.contract import model_id
 from inferq.log import configure_logging, get_logger
 from inferq.settings import Settings, load_settings
@@ -67,17 +67,19 @@ class Worker:
         self.name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.model = model_id(settings.model)
         self.log = log.bind(worker=self.name)
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(model=self.model)
         self.metrics_port = metrics_port
         self.redis = redis_lib.Redis.from_url(settings.redis_url, socket_timeout=30, socket_connect_timeout=5,
                                               health_check_interval=30)
         self.consumer = StreamConsumer(self.redis, settings, self.model, self.name, self.metrics, self.log)
         self.store = JobStore(settings, self.name, self.metrics, self.log, on_give_up=self._give_up)
         if engine is None:
-            from worker.engine import LLMEngine  # torch is imported here, not at module import
-
-            engine = LLMEngine(settings)
+            engine = _load_engine(settings, self.log)
         self.engine = engine
+        # what this worker serves, for the API's model registry (published with every heartbeat)
+        self.registration = models_registry.WorkerRegistration(
+            self.redis, settings.stream_prefix, self.model, self.name, models_registry.describe_engine(engine),
+            settings.heartbeat_seconds)
         self.driver = EngineDriver(engine, settings, self.metrics, self.log)
         self.stopping = False
         self.stop_deadline = 0.0
@@ -104,6 +106,7 @@ class Worker:
             signal.signal(sig, self._on_signal)
         self.consumer.ensure_groups()
         self.consumer.subscribe()
+        self.registration.publish()
         self.log.info("worker started", model=self.model, streams=self.consumer.streams, group=self.consumer.group)
         redis_backoff = 0.0
         while True:
@@ -122,6 +125,10 @@ class Worker:
                 self.log.error("redis unavailable; retrying", error=str(exc), retry_in=redis_backoff)
                 time.sleep(redis_backoff)
         self._write_stats()
+        try:
+            self.registration.withdraw()
+        except redis_lib.RedisError as exc:  # its entry expires by itself
+            self.log.warning("could not withdraw from the model registry", error=str(exc))
         self.log.info("worker stopped", finalized=self.finalized)
         return 0
 
@@ -169,6 +176,7 @@ class Worker:
 
     def _heartbeat(self) -> None:
         self.consumer.keep_alive(self._held_messages())
+        self.registration.beat(serving=not self.stopping)
         if not self.store.down:
             try:
                 self._heartbeat_db()
@@ -294,18 +302,17 @@ class Worker:
     # --- giving work up: long outages, shutdown ------------------------------------------------------------
 
     def _give_up(self) -> None:
-        """Past ``db_retry_max_seconds`` of outage: drop local work without acknowledging it. The messages
+        """Past ``db_retry_max_seconds`` of outage: drop unfinished work without acknowledging it. The messages
         stay pending (no longer heartbeated) and are reclaimed once the database is back; the jobs' stale
-        heartbeats let the reclaiming worker take them over. Nothing is lost; nothing stays running."""
+        heartbeats let the reclaiming worker take them over. Finished results are kept and written when the
+        database returns (``JobStore.abandon``). Nothing is lost; nothing stays running."""
         store = self.store
-        if not (self.driver.inflight or store.final_q or store.start_q):
-            return
-        self.log.error("database down too long; abandoning in-flight jobs to reclaim",
-                       in_flight=len(self.driver.inflight), finalizing=len(store.final_q), starting=len(store.start_q))
-        self.driver.abort_all("abandon")
-        store.final_q.clear()
-        store.start_q.clear()
-        store.pending_first.clear()
+        if self.driver.inflight or store.start_q:
+            self.log.error("database down too long; abandoning in-flight jobs to reclaim",
+                           in_flight=len(self.driver.inflight), starting=len(store.start_q),
+                           results_held=len(store.final_q))
+            self.driver.abort_all("abandon")
+        store.abandon()
 
     def _hand_back(self) -> None:
         """Grace period over: give the unfinished jobs back to the queue (running -> queued + a new message)."""
@@ -328,6 +335,20 @@ class Worker:
             self.log.warning("hand-back to Redis failed; the reconciler will re-add the jobs", error=str(exc))
         self.metrics.handed_back.inc(len(returned))
         self.log.info("handed jobs back to the queue", returned=len(returned), left_pending=len(infs) - len(returned))
+
+
+def _load_engine(settings: Settings, wlog: Any) -> Any:
+    """The engine, with its loading logged as it goes (the steps log their own progress: conversion, weights,
+    KV pool)."""
+    from worker.engine import LLMEngine  # torch is imported here, not at module import
+
+    started = time.monotonic()
+    wlog.info("loading model", model=settings.model, device=settings.device, kv_cache_memory=settings.kv_cache_memory)
+    engine = LLMEngine(settings)
+    wlog.info("model loaded", model=settings.model, seconds=round(time.monotonic() - started, 2),
+              max_model_len=engine.max_model_len, kv_blocks=engine.runner.num_blocks,
+              block_size=engine.runner.block_size)
+    return engine
 
 
 def run_worker(settings: Settings, metrics_port: int | None = None, engine: Any = None) -> int:

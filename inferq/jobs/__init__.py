@@ -11,9 +11,20 @@ the modules below, one concern each.
 * ``errors``: ``Conflict`` (409) and ``QuotaExceeded`` (429).
 """
 
-from inferq.jobs.enqueue import enqueue, enqueue_many, enqueued_key
+from inferq.jobs.enqueue import Unenqueueable, enqueue, enqueue_many, enqueued_key
 from inferq.jobs.errors import Conflict, JobError, QuotaExceeded
-from inferq.jobs.events import EVENT_DELTA, EVENT_DONE, delta_event, done_event, publish_events
+from inferq.jobs.events import (
+    EVENT_DELTA,
+    EVENT_DONE,
+    EVENT_RESET,
+    AttemptFilter,
+    delta_event,
+    done_event,
+    final_text,
+    publish_events,
+    publish_reset,
+    reset_event,
+)
 from inferq.jobs.lifecycle import (
     STATUS_FOR_FINISH,
     Outcome,
@@ -35,10 +46,10 @@ from inferq.jobs.reconcile import ReconcileReport, reconcile, reconcile_lock_key
 from inferq.jobs.submission import submit, submit_many
 
 __all__ = [
-    "EVENT_DELTA", "EVENT_DONE", "LEDGER_LAG_SECONDS", "QUOTA_RECOUNT_SECONDS", "STATUS_FOR_FINISH",
-    "Conflict", "JobError", "Outcome", "QuotaExceeded", "ReconcileReport",
+    "EVENT_DELTA", "EVENT_DONE", "EVENT_RESET", "LEDGER_LAG_SECONDS", "QUOTA_RECOUNT_SECONDS", "STATUS_FOR_FINISH",
+    "AttemptFilter", "Conflict", "JobError", "Outcome", "QuotaExceeded", "ReconcileReport", "Unenqueueable",
     "cancel", "claim", "current_price", "delta_event", "done_event", "enqueue", "enqueue_many", "enqueued_key",
-    "estimate_tokens", "finish", "heartbeat", "owned_by", "owner_of", "publish_events", "reconcile",
-    "reconcile_lock_key", "record_first_tokens", "stale_after_seconds", "status_of", "submit", "submit_many",
+    "estimate_tokens", "final_text", "finish", "heartbeat", "owned_by", "owner_of", "publish_events", "publish_reset", "reconcile",
+    "reconcile_lock_key", "record_first_tokens", "reset_event", "stale_after_seconds", "status_of", "submit", "submit_many",
     "transition", "worker_key",
 ]

@@ -1,5 +1,9 @@
 """Enqueueing: the job's msgpack message XADDed to its tier's stream, and its id added to the enqueued set
-(the reconciler's cheap index of which queued jobs have a message), in one MULTI."""
+(the reconciler's cheap index of which queued jobs have a message), in one MULTI.
+
+A job whose message cannot be encoded (text with a lone surrogate, an integer msgpack cannot hold: rows
+stored before ``JobCreate`` refused them) raises ``Unenqueueable`` and is never put on a stream; the
+reconciler then fails it with the reason, instead of retrying it forever."""
 
 from __future__ import annotations
 
@@ -7,9 +11,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from inferq.contract import encode_message, stream_key
+from inferq.contract import DEFAULT_WEIGHT, encode_message, stream_key
 from inferq.db import Job, unix_time
 from inferq.settings import Settings
+
+
+class Unenqueueable(ValueError):
+    """Jobs whose stream message cannot be encoded: ``reasons`` maps each job id to why. Retrying cannot help."""
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        super().__init__("; ".join(f"job {job_id}: {why}" for job_id, why in reasons.items()))
+        self.reasons = reasons
 
 
 def enqueued_key(prefix: str) -> str:
@@ -17,11 +29,22 @@ def enqueued_key(prefix: str) -> str:
     return f"{prefix}:enqueued"
 
 
-def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> str:
-    """XADD the job's message to its stream and remember it in the enqueued set (one MULTI)."""
-    deadline = unix_time(job.deadline_at)
-    payload = encode_message(job.id, job.tenant_id, cache_namespace, job.model, job.tier, job.priority or 0,
-                             job.request, deadline, unix_time(job.queued_at) or time.time())
+def message_for(job: Job, cache_namespace: str, weight: float = DEFAULT_WEIGHT) -> bytes:
+    """The job's stream message (``weight``: its tenant's fair-share weight); ``Unenqueueable`` when msgpack
+    cannot encode what the row holds."""
+    try:
+        return encode_message(job.id, job.tenant_id, cache_namespace, job.model, job.tier, job.priority or 0,
+                              job.request, unix_time(job.deadline_at), unix_time(job.queued_at) or time.time(),
+                              weight)
+    except (UnicodeError, OverflowError, TypeError, ValueError) as exc:
+        raise Unenqueueable({job.id: f"the job's message cannot be encoded: {type(exc).__name__}: "
+                                     f"{str(exc).encode('ascii', 'backslashreplace').decode()[:300]}"}) from exc
+
+
+def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str, weight: float = DEFAULT_WEIGHT) -> str:
+    """XADD the job's message to its stream and remember it in the enqueued set (one MULTI). ``weight``: the
+    tenant's fair-share weight (carried in the message; the default when a caller has no tenant row at hand)."""
+    payload = message_for(job, cache_namespace, weight)
     pipe = redis.pipeline(transaction=True)
     pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
     pipe.sadd(enqueued_key(settings.stream_prefix), job.id)
@@ -29,13 +52,22 @@ def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> s
     return msg_id.decode() if isinstance(msg_id, bytes) else msg_id
 
 
-def enqueue_many(redis: Any, settings: Settings, jobs_ns: Sequence[tuple[Job, str]]) -> None:
-    """``enqueue`` for several jobs in one MULTI (one round trip)."""
-    pipe = redis.pipeline(transaction=True)
-    enq = enqueued_key(settings.stream_prefix)
-    for job, ns in jobs_ns:
-        payload = encode_message(job.id, job.tenant_id, ns, job.model, job.tier, job.priority or 0, job.request,
-                                 unix_time(job.deadline_at), unix_time(job.queued_at) or time.time())
-        pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
-    pipe.sadd(enq, *[job.id for job, _ in jobs_ns])
-    pipe.execute()
+def enqueue_many(redis: Any, settings: Settings, jobs_ns: Sequence[tuple[Job, str] | tuple[Job, str, float]]) -> None:
+    """``enqueue`` for several jobs in one MULTI (one round trip); each item is ``(job, cache namespace)`` or
+    ``(job, cache namespace, fair-share weight)``. A job that cannot be encoded does not hold up the others:
+    they are enqueued, then ``Unenqueueable`` names the ones left out."""
+    payloads: list[tuple[Job, bytes]] = []
+    bad: dict[str, str] = {}
+    for job, ns, *weight in jobs_ns:
+        try:
+            payloads.append((job, message_for(job, ns, *weight)))
+        except Unenqueueable as exc:
+            bad.update(exc.reasons)
+    if payloads:
+        pipe = redis.pipeline(transaction=True)
+        for job, payload in payloads:
+            pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
+        pipe.sadd(enqueued_key(settings.stream_prefix), *[job.id for job, _ in payloads])
+        pipe.execute()
+    if bad:
+        raise Unenqueueable(bad)

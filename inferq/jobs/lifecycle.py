@@ -131,6 +131,8 @@ class Outcome:
     completion_tokens: int = 0
     compute_seconds: float = 0.0
     error: str | None = None
+    spec_proposed_tokens: int = 0  # speculative decoding: proposals verified, and accepted (ledger only)
+    spec_accepted_tokens: int = 0
     first_token_at: dt.datetime | None = None
 
 
@@ -167,6 +169,7 @@ def finish(session: Session, job_id: str, outcome: Outcome, *, from_statuses: It
         job_id=job_id, tenant_id=tenant_id, model=model, tier=tier, status=outcome.status,
         prompt_tokens=outcome.prompt_tokens, cached_prompt_tokens=outcome.cached_prompt_tokens,
         completion_tokens=outcome.completion_tokens, compute_seconds=float(outcome.compute_seconds),
+        spec_proposed_tokens=outcome.spec_proposed_tokens, spec_accepted_tokens=outcome.spec_accepted_tokens,
         cost_micros=cost_micros(outcome.prompt_tokens, outcome.cached_prompt_tokens, outcome.completion_tokens, price),
         price_id=price_id, created_at=now))
     session.flush()

@@ -28,6 +28,7 @@ from inferq.jobs.connections import AdmissionConnections
 from inferq.jobs.errors import Conflict, QuotaExceeded, idempotent_retry
 from inferq.jobs.prices import current_price
 from inferq.jobs.quotas import (
+    ESTIMATED_STATUSES_SQL,
     LEDGER_LAG_SECONDS,
     QUOTA_RECOUNT_SECONDS,
     ROW_ESTIMATE_SQL,
@@ -55,7 +56,7 @@ CROSS JOIN LATERAL (
 CROSS JOIN LATERAL (
     SELECT coalesce(sum({ROW_ESTIMATE_SQL}), 0) AS tokens, min(created_at) AS oldest
     FROM jobs WHERE tenant_id = %(tenant)s AND created_at > now.t - interval '60 seconds'
-                AND status IN ('queued', 'running')) ow
+                AND status IN {ESTIMATED_STATUSES_SQL}) ow
 LEFT JOIN LATERAL (
     SELECT id, request_hash FROM jobs WHERE tenant_id = %(tenant)s AND idempotency_key = %(key)s) e ON true
 """
@@ -179,9 +180,9 @@ class _Existing:
 
 
 def _prepare(settings: Settings, tenant: Tenant, body: JobCreate, idempotency_key: str | None, model: str,
-             fingerprint: str, request: dict[str, Any]) -> _Submission:
+             fingerprint: str, request: dict[str, Any], prompt_tokens: int | None) -> _Submission:
     max_queued, limit = quotas.limits(settings, tenant)
-    need = quotas.estimate_tokens(request)
+    need = quotas.estimate_tokens(request, prompt_tokens)
     request_json = json.dumps(request)
     params: dict[str, Any] = {
         "lock": quotas.tenant_lock_key(tenant.id), "tenant": tenant.id, "model": model, "tier": body.tier,
@@ -197,12 +198,12 @@ def _prepare(settings: Settings, tenant: Tenant, body: JobCreate, idempotency_ke
 
 def submit_postgres(engine: Any, session_factory: sessionmaker, settings: Settings, tenant: Tenant,
                     body: JobCreate, idempotency_key: str | None, model: str, fingerprint: str,
-                    request: dict[str, Any]) -> tuple[Job, bool]:
+                    request: dict[str, Any], prompt_tokens: int | None = None) -> tuple[Job, bool]:
     """``submit``'s database part on PostgreSQL: ``(job, created)``; raises ``Conflict`` or ``QuotaExceeded``."""
     import psycopg
 
     adm, connections = admission_for(engine)
-    sub = _prepare(settings, tenant, body, idempotency_key, model, fingerprint, request)
+    sub = _prepare(settings, tenant, body, idempotency_key, model, fingerprint, request, prompt_tokens)
     pooled = connections.get()
     conn: Any = pooled.driver_connection
     try:

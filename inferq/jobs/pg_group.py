@@ -87,14 +87,16 @@ def has_fresh_bound(engine: Any, tenant_id: str) -> bool:
     return admission_for(engine)[0].fresh_bound(tenant_id) is not None
 
 
-def admit_many_postgres(engine: Any, settings: Settings, tenant: Tenant, bodies: list[JobCreate]) -> list[Job]:
-    """Admit a prefix of ``bodies`` (one tenant, no idempotency keys) in one statement; returns the admitted
-    jobs in order (possibly none). Needs a current quota bound: without one nothing is admitted here."""
+def admit_many_postgres(engine: Any, settings: Settings, tenant: Tenant,
+                        bodies: list[tuple[JobCreate, int | None]]) -> list[Job]:
+    """Admit a prefix of ``bodies`` (one tenant, no idempotency keys; each with its exact prompt token count or
+    None) in one statement; returns the admitted jobs in order (possibly none). Needs a current quota bound:
+    without one nothing is admitted here."""
     adm, connections = admission_for(engine)
     bound = adm.fresh_bound(tenant.id)
     if bound is None:
         return []
-    pending = [_pending(settings, body) for body in bodies]
+    pending = [_pending(settings, body, prompt_tokens) for body, prompt_tokens in bodies]
     if not _reserve_tiers(adm, pending):
         return []
     rows = _run(connections, adm, _params(settings, tenant, bound, pending), pending)
@@ -113,10 +115,10 @@ def admit_many_postgres(engine: Any, settings: Settings, tenant: Tenant, bodies:
     return admitted
 
 
-def _pending(settings: Settings, body: JobCreate) -> _Pending:
+def _pending(settings: Settings, body: JobCreate, prompt_tokens: int | None) -> _Pending:
     request = body.request_params()
     request_json = json.dumps(request)
-    need = float(quotas.estimate_tokens(request))
+    need = float(quotas.estimate_tokens(request, prompt_tokens))
     return _Pending(body, model_id(body.model or settings.model), body.fingerprint(), request, request_json,
                     new_id(), need=need, add=quotas.bound_charge(request_json, body.max_tokens, need))
 

@@ -3,11 +3,14 @@ per-process upper bounds from which the PostgreSQL fast path (``pg_admission``) 
 
 The token estimates are defined here and nowhere else:
 
-* ``estimate_tokens(request)``: what a new submission needs (its prompt, roughly, plus ``max_tokens``);
+* ``estimate_tokens(request, prompt_tokens)``: what a new submission needs: its prompt (the exact count when
+  the API counted it with the model's tokenizer, else roughly) plus ``max_tokens``;
 * the row estimate: what an accepted job not yet in the ledger counts, ``length(request JSON) / 4 +
   max_tokens``, in three forms that must agree: ``ROW_ESTIMATE_SQL`` (raw PostgreSQL statements),
   ``row_estimate_expr()`` (the ORM path, any dialect) and ``row_estimate()`` (Python, for the bounds).
-  tests/integration/test_jobs.py checks that they agree.
+  tests/integration/test_jobs.py checks that they agree. A job counts it for the minute after its
+  submission while its status is one of ``ESTIMATED_STATUSES``: queued, running, and failed, so that the work
+  a job causes before it fails (a worker refusing it) is charged to its tenant, not free.
 """
 
 from __future__ import annotations
@@ -33,11 +36,17 @@ CHARS_PER_TOKEN = 4  # the row estimate counts one token per four characters of 
 
 ROW_ESTIMATE_SQL = (f"length(CAST(request AS TEXT)) / {CHARS_PER_TOKEN}.0 "
                     "+ coalesce(CAST(request ->> 'max_tokens' AS INTEGER), 0)")
+# the statuses in which a job of the last minute counts its row estimate (see above)
+ESTIMATED_STATUSES = ("queued", "running", "failed")
+ESTIMATED_STATUSES_SQL = "(" + ", ".join(f"'{s}'" for s in ESTIMATED_STATUSES) + ")"
 
 
-def estimate_tokens(request: dict[str, Any]) -> int:
-    """A cheap upper-ish estimate of a job's tokens (prompt + max_tokens) for the rate limit."""
-    if request.get("prompt_ids") is not None:
+def estimate_tokens(request: dict[str, Any], prompt_tokens: int | None = None) -> int:
+    """What a job needs of the rate limit: its prompt + max_tokens. ``prompt_tokens`` is the prompt's exact
+    count when known (the API counts it with the model's tokenizer); otherwise a cheap upper-ish estimate."""
+    if prompt_tokens is not None:
+        prompt = prompt_tokens
+    elif request.get("prompt_ids") is not None:
         prompt = len(request["prompt_ids"])
     elif request.get("prompt") is not None:
         prompt = len(request["prompt"]) // 4 + 1
@@ -98,7 +107,8 @@ def token_limit_error(used: int, need: int, limit: int, oldest: dt.datetime | No
                          f"(limit {limit}/min)", retry_after=max(1.0, retry), limit="tokens_per_minute")
 
 
-def check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: str, request: dict[str, Any]) -> None:
+def check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: str, request: dict[str, Any],
+                 prompt_tokens: int | None = None) -> None:
     """The exact quota checks in SQL (any dialect; the PostgreSQL fast path recounts in ``pg_admission``)."""
     now = utcnow()
     max_queued, limit = limits(settings, tenant)
@@ -113,7 +123,7 @@ def check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: str
     if tier_queued >= settings.tier_queue_cap:
         raise tier_limit_error(tier, tier_queued)
     # 3. tokens per minute: the ledger of the last minute (actual tokens) plus an estimate for this
-    #    tenant's jobs accepted in the last minute that have not reached the ledger yet
+    #    tenant's jobs accepted in the last minute that have not reached the ledger yet, or failed
     window_start = now - dt.timedelta(seconds=60)
     used_ledger, oldest_ledger = session.execute(
         select(func.coalesce(func.sum(UsageEntry.prompt_tokens + UsageEntry.completion_tokens), 0),
@@ -121,9 +131,9 @@ def check_quotas(session: Session, settings: Settings, tenant: Tenant, tier: str
         .where(UsageEntry.tenant_id == tenant.id, UsageEntry.created_at > window_start)).one()
     used_open, oldest_open = session.execute(
         select(func.coalesce(func.sum(row_estimate_expr()), 0), func.min(Job.created_at))
-        .where(Job.tenant_id == tenant.id, Job.created_at > window_start, Job.status.in_(("queued", "running")))).one()
+        .where(Job.tenant_id == tenant.id, Job.created_at > window_start, Job.status.in_(ESTIMATED_STATUSES))).one()
     used = int(used_ledger) + int(used_open)
-    need = estimate_tokens(request)
+    need = estimate_tokens(request, prompt_tokens)
     if used > 0 and used + need > limit:
         oldest = min(t for t in (as_aware(oldest_ledger), as_aware(oldest_open), now) if t is not None)
         raise token_limit_error(used, need, limit, oldest, now)

@@ -1,7 +1,8 @@
 """Reconciliation: repair the queue from PostgreSQL (the source of truth). Expires queued jobs past their
 deadline, requeues ``running`` jobs whose worker's heartbeat is stale (or ends them, when cancelled or due),
-and re-adds ``queued`` jobs that have no message in Redis (e.g. after FLUSHALL or a failed enqueue). One
-worker runs it per interval, under ``reconcile_lock_key``."""
+and re-adds ``queued`` jobs that have no message in Redis (e.g. after FLUSHALL or a failed enqueue). A job
+whose message cannot be encoded at all (``Unenqueueable``) is failed with the reason: retrying cannot help.
+One worker runs it per interval, under ``reconcile_lock_key``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from inferq.db import Job, Tenant, as_aware, utcnow
-from inferq.jobs.enqueue import enqueue, enqueued_key
+from inferq.jobs.enqueue import Unenqueueable, enqueue, enqueued_key
 from inferq.jobs.events import publish_done
 from inferq.jobs.lifecycle import Outcome, finish, stale_after_seconds, transition
 from inferq.log import get_logger
@@ -32,6 +33,7 @@ class ReconcileReport:
     requeued: int = 0  # running jobs with a stale heartbeat, moved back to queued and enqueued
     expired: int = 0  # queued (or orphaned running) jobs past their deadline
     cancelled: int = 0  # orphaned running jobs whose cancel had been requested
+    failed: int = 0  # jobs whose message cannot be encoded (they could never run)
 
 
 def reconcile(session_factory: sessionmaker, redis: Any, settings: Settings, *, grace_seconds: float = 2.0,
@@ -47,16 +49,32 @@ def reconcile(session_factory: sessionmaker, redis: Any, settings: Settings, *, 
         to_enqueue = _recover_stale_running(session, redis, settings, now, now - dt.timedelta(seconds=stale),
                                             report)
         to_enqueue += _queued_without_message(session, redis, settings, now - dt.timedelta(seconds=grace_seconds),
-                                              batch_size, {job.id for job, _ in to_enqueue}, report)
-    for job, ns in to_enqueue:
+                                              batch_size, {job.id for job, *_ in to_enqueue}, report)
+    for job, ns, weight in to_enqueue:
         try:
-            enqueue(redis, settings, job, ns)
+            enqueue(redis, settings, job, ns, weight)
+        except Unenqueueable as exc:
+            _fail_unenqueueable(session_factory, redis, settings, job, exc.reasons[job.id], report)
         except Exception as exc:
             log.warning("reconcile could not enqueue", job_id=job.id, error=str(exc))
-    if report.readded or report.requeued or report.expired or report.cancelled:
+    if report.readded or report.requeued or report.expired or report.cancelled or report.failed:
         log.info("reconciled", readded=report.readded, requeued=report.requeued, expired=report.expired,
-                 cancelled=report.cancelled)
+                 cancelled=report.cancelled, failed=report.failed)
     return report
+
+
+def _fail_unenqueueable(session_factory: sessionmaker, redis: Any, settings: Settings, job: Job, reason: str,
+                        report: ReconcileReport) -> None:
+    """``queued -> failed`` with the reason, an empty result and a zero ledger row (nothing was computed)."""
+    outcome = Outcome(status="failed", finish_reason="error", error=reason[:1000])
+    with session_factory() as session:
+        if finish(session, job.id, outcome, from_statuses=("queued",)):
+            session.commit()
+            report.failed += 1
+            log.error("job failed: its message cannot be enqueued", job_id=job.id, error=reason)
+            publish_done(redis, settings, job.id, outcome)
+        else:
+            session.rollback()
 
 
 def _expire_queued(session: Session, redis: Any, settings: Settings, now: dt.datetime,
@@ -75,10 +93,10 @@ def _expire_queued(session: Session, redis: Any, settings: Settings, now: dt.dat
 
 
 def _recover_stale_running(session: Session, redis: Any, settings: Settings, now: dt.datetime,
-                           cutoff: dt.datetime, report: ReconcileReport) -> list[tuple[Job, str]]:
+                           cutoff: dt.datetime, report: ReconcileReport) -> list[tuple[Job, str, float]]:
     """2. running jobs whose worker stopped heartbeating: ``cancelled``/``expired`` if so requested/due, else
-    back to ``queued``; returns those to enqueue again, with their cache namespace."""
-    to_enqueue: list[tuple[Job, str]] = []
+    back to ``queued``; returns those to enqueue again, with their tenant's cache namespace and weight."""
+    to_enqueue: list[tuple[Job, str, float]] = []
     stale_cond = ((Job.heartbeat_at < cutoff) | (Job.heartbeat_at.is_(None) & (Job.started_at < cutoff)))
     rows = session.execute(select(Job.id, Job.attempts, Job.cancel_requested, Job.deadline_at)
                            .where(Job.status == "running", stale_cond).limit(1000)).all()
@@ -102,7 +120,7 @@ def _recover_stale_running(session: Session, redis: Any, settings: Settings, now
             job = session.get(Job, job_id)
             tenant = session.get(Tenant, job.tenant_id) if job is not None else None
             if job is not None and tenant is not None:
-                to_enqueue.append((job, tenant.cache_namespace))
+                to_enqueue.append((job, tenant.cache_namespace, tenant.fair_share_weight))
                 report.requeued += 1
             log.warning("requeued a running job with a stale heartbeat", job_id=job_id, attempts=attempts)
         else:
@@ -111,23 +129,24 @@ def _recover_stale_running(session: Session, redis: Any, settings: Settings, now
 
 
 def _queued_without_message(session: Session, redis: Any, settings: Settings, horizon: dt.datetime,
-                            batch_size: int, requeued_ids: set[str], report: ReconcileReport) -> list[tuple[Job, str]]:
+                            batch_size: int, requeued_ids: set[str],
+                            report: ReconcileReport) -> list[tuple[Job, str, float]]:
     """3. queued jobs (older than ``horizon``) whose id is not in the enqueued set, ``batch_size`` per query."""
-    to_enqueue: list[tuple[Job, str]] = []
+    to_enqueue: list[tuple[Job, str, float]] = []
     enq = enqueued_key(settings.stream_prefix)
     last_id = ""
     while True:
         rows = session.execute(
-            select(Job, Tenant.cache_namespace).join(Tenant, Tenant.id == Job.tenant_id)
+            select(Job, Tenant.cache_namespace, Tenant.fair_share_weight).join(Tenant, Tenant.id == Job.tenant_id)
             .where(Job.status == "queued", Job.queued_at < horizon, Job.id > last_id)
             .order_by(Job.id).limit(batch_size)).all()
         if not rows:
             break
         last_id = rows[-1][0].id
-        present = redis.smismember(enq, [job.id for job, _ in rows])
-        for (job, ns), here in zip(rows, present, strict=True):
+        present = redis.smismember(enq, [job.id for job, *_ in rows])
+        for (job, ns, weight), here in zip(rows, present, strict=True):
             if not here and job.id not in requeued_ids:
-                to_enqueue.append((job, ns))
+                to_enqueue.append((job, ns, weight))
                 report.readded += 1
         if len(rows) < batch_size:
             break

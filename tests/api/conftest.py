@@ -16,6 +16,7 @@ import uvicorn
 from api.app import create_app
 from api.tenants import create_key, create_tenant
 from inferq.settings import Settings
+from tests.registry_helpers import announce_default_model
 
 
 class LiveServer:
@@ -44,10 +45,13 @@ class LiveServer:
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., str]]:
-    """``serve(settings, **create_app_kwargs) -> base_url``; servers stop at the end of the test."""
+    """``serve(settings, announce_model=True, **create_app_kwargs) -> base_url``; servers stop at the end of
+    the test. ``announce_model``: make the settings' default model known first (``announce_default_model``)."""
     servers: list[LiveServer] = []
 
-    def _serve(settings: Settings, **kwargs) -> str:
+    def _serve(settings: Settings, announce_model: bool = True, **kwargs) -> str:
+        if announce_model:
+            announce_default_model(settings)
         kwargs.setdefault("webhooks", False)
         server = LiveServer(create_app(settings, **kwargs)).start()
         servers.append(server)

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from api.views import get_job_view
 from inferq import jobs
 from inferq.db import Job, utcnow
+from tests.registry_helpers import announce_default_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -48,6 +49,7 @@ def _env(settings, **extra) -> dict[str, str]:
 
 @pytest.fixture
 def celery_worker(settings, tmp_path, redis_client):
+    announce_default_model(settings)  # the tasks check the model as POST /v1/jobs does
     log = open(tmp_path / "celery.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-c", "from deploy.cli import main; main()", "celery-worker", "--concurrency", "4",
@@ -81,6 +83,7 @@ def test_submit_task(celery_worker, settings, make_tenant, db):
         ("inferq.submit", {"api_key": t.key, "prompt": "x", "webhook_url": "http://10.0.0.1/hook"}),
         ("inferq.submit", {"api_key": full.key, "prompt": "Hello"}),
         ("inferq.submit", {"api_key": t.key, "prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}),
+        ("inferq.submit", {"api_key": t.key, "prompt": "Hi", "model": "no-such-model"}),
     ])
     ok = results[0]
     assert "ok" in ok, results
@@ -92,6 +95,10 @@ def test_submit_task(celery_worker, settings, make_tenant, db):
     assert results[3]["error"] == "InvalidRequest" and "webhook_url" in results[3]["message"]
     assert results[4]["error"] == "QuotaExceededError" and "retry after" in results[4]["message"]
     assert results[5]["error"] == "InvalidRequest" and "exactly one of" in results[5]["message"]
+    # the same model check as POST /v1/jobs: a model no worker serves is refused, not queued forever
+    assert results[6]["error"] == "InvalidRequest" and "model_not_found" in results[6]["message"], results[6]
+    with db() as s:
+        assert s.scalar(select(Job).where(Job.tenant_id == t.tenant_id, Job.model == "no-such-model")) is None
 
 
 def test_generate_task_waits_for_the_job(celery_worker, settings, make_tenant, db, redis_client):

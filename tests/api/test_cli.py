@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.registry_helpers import register_worker
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +58,7 @@ def test_tenants_and_keys(settings, redis_client, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "from deploy.cli import main; main()", "api", "--port", str(port),
                              "--no-webhooks"], env=_env(settings), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=(tmp_path / "api.log").open("wb"))
+    register_worker(settings, "w-cli")  # a stand-in worker: the API is ready and knows the default model
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_ready(base, proc, tmp_path / "api.log")

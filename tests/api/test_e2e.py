@@ -12,12 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 from werkzeug import Request, Response
 
 from api.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from tests.api.test_celery import ROOT, _env, run_client
 from tests.api.test_events_api import read_sse
-from tests.service_fixtures import WorkerProcess
+from tests.registry_helpers import announce_default_model
+from tests.service_fixtures import WorkerProcess, expected_cost_micros
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -48,6 +50,13 @@ def inferq_worker(model_settings, tmp_path, redis_client):
         w.stop()
 
 
+def _cost(settings, view: dict) -> int:
+    """The cost a job view must show: its token counts at the prices of its tier."""
+    usage = view["usage"]
+    return expected_cost_micros(settings, view["tier"], prompt=usage["prompt_tokens"],
+                                cached=usage["cached_prompt_tokens"], completion=usage["completion_tokens"])
+
+
 def test_rest_sse_webhook_end_to_end(serve, model_settings, inferq_worker, make_tenant, httpserver):
     hooks: list[tuple[dict, bytes]] = []
 
@@ -73,8 +82,10 @@ def test_rest_sse_webhook_end_to_end(serve, model_settings, inferq_worker, make_
         streamed = "".join(e[2]["text"] for e in events[:-1])
         assert final["status"] == "succeeded" and final["finish_reason"] == "length"
         assert streamed == final["text"]
-        assert final["usage"]["completion_tokens"] == 12 and final["usage"]["prompt_tokens"] > 0
-        assert final["cost"]["micros"] >= 0
+        assert final["usage"]["completion_tokens"] == 12
+        assert final["usage"]["prompt_tokens"] == len(AutoTokenizer.from_pretrained(model_settings.model)
+                                                      .encode("Once upon a time"))
+        assert final["cost"]["micros"] == _cost(model_settings, final)
         job = c.get(f"/v1/jobs/{job_id}", headers=t.headers).json()
         assert job == final
         timings = job["timings"]
@@ -90,6 +101,7 @@ def test_rest_sse_webhook_end_to_end(serve, model_settings, inferq_worker, make_
 
 def test_celery_generate_end_to_end(model_settings, inferq_worker, make_tenant, tmp_path):
     t = make_tenant()
+    announce_default_model(model_settings)  # known before the worker has loaded it, as `inferq up` does
     log = open(tmp_path / "celery.log", "wb")  # noqa: SIM115
     celery = subprocess.Popen(
         [sys.executable, "-c", "from deploy.cli import main; main()", "celery-worker", "--concurrency", "2",
@@ -110,4 +122,5 @@ def test_celery_generate_end_to_end(model_settings, inferq_worker, make_tenant, 
     a, b = results[0]["ok"], results[1]["ok"]
     assert a["status"] == b["status"] == "succeeded"
     assert a["usage"]["completion_tokens"] == 6 and a["text"] == b["text"]  # greedy: same text on both tiers
-    assert b["tier"] == "batch" and b["cost"]["micros"] <= a["cost"]["micros"]
+    assert (a["tier"], b["tier"]) == ("interactive", "batch")
+    assert a["cost"]["micros"] == _cost(model_settings, a) and b["cost"]["micros"] == _cost(model_settings, b)

@@ -15,6 +15,7 @@ import pytest
 from inferq import jobs
 from inferq.contract import events_key
 from inferq.db import utcnow
+from tests.service_fixtures import expected_cost_micros, private_redis  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -47,8 +48,8 @@ def _start(db, job_id: str) -> None:
 
 
 def _finish(db, redis_client, settings, job_id: str, text: str) -> jobs.Outcome:
-    outcome = jobs.Outcome(status="succeeded", text=text, finish_reason="length", prompt_tokens=3,
-                           completion_tokens=2, compute_seconds=0.01)
+    outcome = jobs.Outcome(status="succeeded", text=text, finish_reason="length", prompt_tokens=30,
+                           completion_tokens=20, compute_seconds=0.01)
     with db() as s:
         assert jobs.finish(s, job_id, outcome)
         s.commit()
@@ -86,8 +87,9 @@ def test_sse_live_deltas_then_final(client, tenant, db, redis_client, settings):
     assert "".join(e[2]["text"] for e in events[:3]) == "Hello world"
     final = events[-1][2]
     assert final["status"] == "succeeded" and final["text"] == "Hello world" and final["finish_reason"] == "length"
-    assert final["usage"]["prompt_tokens"] == 3 and final["usage"]["completion_tokens"] == 2
-    assert final["cost"]["micros"] >= 0 and final["id"] == job_id
+    assert final["usage"]["prompt_tokens"] == 30 and final["usage"]["completion_tokens"] == 20
+    assert final["cost"]["micros"] == expected_cost_micros(settings, "interactive", prompt=30, cached=0, completion=20)
+    assert final["id"] == job_id
     # resume after the first delta: the rest only
     with client.stream("GET", f"/v1/jobs/{job_id}/events",
                        headers={**tenant.headers, "Last-Event-ID": events[0][1]}) as r:
@@ -95,19 +97,28 @@ def test_sse_live_deltas_then_final(client, tenant, db, redis_client, settings):
     assert [e[2].get("text") for e in resumed[:-1]] == ["lo", " world"] and resumed[-1][0] == "final"
 
 
-def test_sse_stream_expired(client, tenant, db, redis_client, settings):
-    job_id = client.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"]
-    _start(db, job_id)
-    _delta(redis_client, settings, job_id, "partial")
-    _finish(db, redis_client, settings, job_id, "The whole text.")
-    redis_client.delete(events_key(settings.stream_prefix, job_id))  # as if its TTL had passed
-    t0 = time.monotonic()
-    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=tenant.headers) as r:
-        events = read_sse(r)
-    assert time.monotonic() - t0 < 2.0
+def test_sse_stream_expired(serve, settings, tenant, db, private_redis):  # noqa: F811
+    """A finished job whose event stream is gone is answered from PostgreSQL at once, without waiting on
+    the stream: not a single XREAD (counted on a private Redis server, where only this test runs commands)."""
+    import redis
+
+    settings = settings.model_copy(update={"redis_url": private_redis.url})
+    redis_client = redis.Redis.from_url(private_redis.url)
+    with httpx.Client(base_url=serve(settings), timeout=30) as client:
+        job_id = client.post("/v1/jobs", json=BODY, headers=tenant.headers).json()["id"]
+        _start(db, job_id)
+        _delta(redis_client, settings, job_id, "partial")
+        _finish(db, redis_client, settings, job_id, "The whole text.")
+        redis_client.delete(events_key(settings.stream_prefix, job_id))  # as if its TTL had passed
+        redis_client.config_resetstat()
+        with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=tenant.headers) as r:
+            events = read_sse(r)
+    xreads = redis_client.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
+    redis_client.close()
+    assert xreads == 0, f"{xreads} XREAD calls: the stream was waited on"
     assert [e[0] for e in events] == ["delta", "final"]
     assert events[0][2] == {"text": "The whole text."}
-    assert events[1][2]["status"] == "succeeded" and events[1][2]["usage"]["total_tokens"] == 5
+    assert events[1][2]["status"] == "succeeded" and events[1][2]["usage"]["total_tokens"] == 50
 
 
 def test_sse_cancel_while_queued(client, tenant):

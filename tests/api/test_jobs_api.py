@@ -12,6 +12,7 @@ from api.app import create_app
 from api.tenants import create_key, revoke_key
 from inferq.contract import stream_key
 from inferq.db import Job
+from tests.registry_helpers import register_worker
 
 pytestmark = pytest.mark.integration
 
@@ -269,10 +270,12 @@ def test_cancel_queued(client, tenant):
     assert again.status_code == 200 and again.json()["status"] == "cancelled"
 
 
-def test_ops_endpoints(client, tenant):
+def test_ops_endpoints(client, tenant, settings):
     assert client.get("/healthz").json() == {"status": "ok"}
+    register_worker(settings, "w-ops")  # /readyz wants a worker serving a model (tests/api/test_admission.py)
     r = client.get("/readyz")
-    assert r.status_code == 200 and r.json() == {"status": "ready", "checks": {"database": "ok", "redis": "ok"}}
+    assert r.status_code == 200 and r.json() == {"status": "ready", "checks": {"database": "ok", "redis": "ok",
+                                                 "workers": "ok"}, "models": {settings.model: ["w-ops"]}}
     client.post("/v1/jobs", json=BODY, headers=tenant.headers)
     m = client.get("/metrics")
     assert m.status_code == 200

@@ -165,17 +165,21 @@ def test_ledger_tokens_written_elsewhere_count_at_once(db, engines, settings, re
 
 def test_tier_cap_exact_for_concurrent_submissions(db, engines, settings, redis_client, make_tenant):
     tenant = _tenant(db, make_tenant)
-    with db() as s:
-        batch = s.scalar(select(func.count()).select_from(Job).where(Job.status == "queued", Job.tier == "batch"))
-    capped = settings.model_copy(update={"tier_queue_cap": batch + 4})
+    with db() as s:  # the shared test database holds other tests' queued jobs: race in the fuller tier
+        queued = {tier: s.scalar(select(func.count()).select_from(Job).where(Job.status == "queued",
+                                                                             Job.tier == tier))
+                  for tier in ("batch", "interactive")}
+    full, other = sorted(queued, key=queued.get, reverse=True)
+    capped = settings.model_copy(update={"tier_queue_cap": queued[full] + 4})
     factories = [engines() for _ in range(2)]
-    outcomes = _race(10, lambda i: jobs.submit(factories[i % 2], redis_client, capped, tenant, JobCreate(**BODY)))
+    body = JobCreate(**{**BODY, "tier": full})
+    outcomes = _race(10, lambda i: jobs.submit(factories[i % 2], redis_client, capped, tenant, body))
     accepted = [o for o in outcomes if isinstance(o, tuple)]
     assert len(accepted) == 4, outcomes
     assert all(isinstance(o, jobs.QuotaExceeded) and o.limit == "tier_queue"
                for o in outcomes if not isinstance(o, tuple))
     # the other tier is not full
-    jobs.submit(factories[0], redis_client, capped, tenant, JobCreate(**{**BODY, "tier": "interactive"}))
+    jobs.submit(factories[0], redis_client, capped, tenant, JobCreate(**{**BODY, "tier": other}))
 
 
 def test_idempotency_one_job_per_key_under_concurrency(db, engines, settings, redis_client, make_tenant):

@@ -62,7 +62,7 @@ WINDOW = {"from": "2031-01-01", "to": "2031-02-01"}
 def _row(day=None, model=None, tier=None, tenant=None, *, jobs, p, c, n, secs, cost):
     return {"day": day, "model": model, "tier": tier, "tenant": tenant, "jobs": jobs, "prompt_tokens": p,
             "cached_prompt_tokens": c, "completion_tokens": n, "total_tokens": p + n, "compute_seconds": secs,
-            "cost_micros": cost, "cost_dollars": f"0.{cost:06d}"}
+            "spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "cost_micros": cost, "cost_dollars": f"0.{cost:06d}"}
 
 
 def test_usage_grouped(client, seeded):

@@ -5,6 +5,7 @@ running inside the API process."""
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import hmac
 import json
@@ -75,14 +76,15 @@ def _finish(db, job_id: str) -> None:
         s.commit()
 
 
-def _pump(dispatcher: WebhookDispatcher, db, job_id: str, until: set[str], timeout: float = 20) -> list[dict]:
+def _pump(dispatcher: WebhookDispatcher, db, job_id: str, until: set[str], timeout: float = 20,
+          interval: float = 0.05) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dispatcher.run_once()
         rows = deliveries_for(db, job_id)
         if rows and rows[0]["status"] in until:
             return rows
-        time.sleep(0.05)
+        time.sleep(interval)
     raise AssertionError(f"delivery not {until}: {deliveries_for(db, job_id)}")
 
 
@@ -128,18 +130,30 @@ def test_webhook_retried_then_delivered_across_restart(client, tenant, db, fast_
 
 @pytest.mark.integration
 def test_webhook_gives_up_after_max_attempts(client, tenant, db, fast_settings, httpserver):
+    """Five failed attempts, then ``failed``; the gaps between attempts grow as the back-off policy says."""
+    settings = fast_settings.model_copy(update={"webhook_max_attempts": 5, "webhook_backoff_base_seconds": 0.1})
     httpserver.expect_request("/down", method="POST").respond_with_data("nope", status=503)
     r = client.post("/v1/jobs", json={**BODY, "webhook_url": httpserver.url_for("/down")}, headers=tenant.headers)
     job_id = r.json()["id"]
     _finish(db, job_id)
-    dispatcher = WebhookDispatcher(fast_settings, db)
-    rows = _pump(dispatcher, db, job_id, {"failed"})
+    dispatcher = WebhookDispatcher(settings, db)
+    rows = _pump(dispatcher, db, job_id, {"failed"}, timeout=60, interval=0.01)
     dispatcher.stop()
-    assert rows[0]["attempts"] == fast_settings.webhook_max_attempts == 3
-    assert [h["status_code"] for h in rows[0]["history"]] == [503, 503, 503]
-    # spacing between attempts grows (exponential backoff): history timestamps are increasing
-    times = [h["at"] for h in rows[0]["history"]]
-    assert times == sorted(times)
+    assert rows[0]["attempts"] == settings.webhook_max_attempts == 5
+    assert [h["status_code"] for h in rows[0]["history"]] == [503] * 5
+    _assert_backoff_gaps([dt.datetime.fromisoformat(h["at"]) for h in rows[0]["history"]],
+                         settings.webhook_backoff_base_seconds)
+
+
+def _assert_backoff_gaps(times: list[dt.datetime], base: float) -> None:
+    """Retry n waits ``backoff_seconds(n, base)``: between half and all of ``base * 2**(n-1)`` (equal jitter),
+    so its floor doubles with each retry, and a gap between two recorded attempts (the wait plus the next
+    attempt's own time) is never below it. A slow machine only lengthens gaps, so no upper bound is checked;
+    and as neighbouring jitter ranges touch, consecutive gaps are compared through their floors."""
+    gaps = [(b - a).total_seconds() for a, b in zip(times, times[1:], strict=False)]
+    floors = [base * 2 ** (n - 1) / 2 for n in range(1, len(times))]
+    assert all(gap >= floor for gap, floor in zip(gaps, floors, strict=True)), (gaps, floors)
+    assert floors == sorted(floors) and floors[-1] == 8 * floors[0]  # what the gaps above had to clear
 
 
 @pytest.mark.integration

@@ -222,8 +222,9 @@ REAL_SCENARIOS = {
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("attention", ["cpu", "torch"])  # the C kernels, and the portable torch path
 @pytest.mark.parametrize("scenario", list(REAL_SCENARIOS))
-def test_greedy_matches_hf_generate(tiny_model, scenario):
+def test_greedy_matches_hf_generate(tiny_model, scenario, attention):
     rng = random.Random(1)
     system = [rng.randrange(3, 300) for _ in range(20)]
     prompts = []
@@ -233,7 +234,8 @@ def test_greedy_matches_hf_generate(tiny_model, scenario):
     max_tokens = [4 + (i * 5) % 13 for i in range(len(prompts))]
     expected = hf_greedy(tiny_model, prompts, max_tokens)
 
-    engine = real_engine(tiny_model, **REAL_SCENARIOS[scenario])
+    engine = real_engine(tiny_model, attention_backend=attention, **REAL_SCENARIOS[scenario])
+    assert engine.runner.backend.name == attention
     reqs = [Request(f"g{i}", p, SamplingParams(max_tokens=m, temperature=0.0),
                     tier=Tier.INTERACTIVE if i % 4 == 0 else Tier.BATCH)
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]

@@ -94,12 +94,19 @@ def prompts_for(vocab, lengths, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+# Both CPU attention paths: "cpu" (the C kernels, on x86 every shape here) and "torch" (the portable path a
+# machine without a C compiler runs, otherwise never exercised on x86).
+ATTENTION = ["cpu", "torch"]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize(
     "arch", ["llama", "qwen2", "mistral", "llama-tied-llama3rope-bias", "llama-linear-rope"]
 )
-def test_prefill_and_decode_logits_match_hf(tiny_dirs, arch):
+def test_prefill_and_decode_logits_match_hf(tiny_dirs, arch, attention):
     path = tiny_dirs[arch]
-    runner = make_runner(path)
+    runner = make_runner(path, attention_backend=attention)
+    assert runner.backend.name == attention
     pool = BlockPool(runner.num_blocks, seed=1)
     lengths = [1, 4, 7, 13]  # includes a one-token prompt and block-boundary lengths
     reqs = [
@@ -122,8 +129,9 @@ def test_prefill_and_decode_logits_match_hf(tiny_dirs, arch):
             advance(r, n, tok)
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_tokens_with_chunked_prefill_and_mixed_batches(tiny_dirs, arch):
+def test_greedy_tokens_with_chunked_prefill_and_mixed_batches(tiny_dirs, arch, attention):
     path = tiny_dirs[arch]
     vocab = 384
     prompts = prompts_for(vocab, [9, 17, 3, 1], seed=7)
@@ -137,7 +145,7 @@ def test_greedy_tokens_with_chunked_prefill_and_mixed_batches(tiny_dirs, arch):
             ids.append(int(hf_last_logits(path, ids).argmax()))
         expected.append(ids[len(p) :])
 
-    runner = make_runner(path)
+    runner = make_runner(path, attention_backend=attention)
     pool = BlockPool(runner.num_blocks, seed=3)
     reqs = [
         Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=new_tokens))

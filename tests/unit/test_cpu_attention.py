@@ -7,6 +7,8 @@ and 8/16-position chunk boundaries, shuffled block tables and junk past each tab
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -202,22 +204,40 @@ def test_scalar_build_decodes_and_declines_prefill(monkeypatch):
     assert not cpu_attention.supports_prefill(torch.zeros(1, 9, 64), torch.zeros(4, 16, 3, 64))
 
 
-def test_prefaulted_buffers_are_resident_at_once():
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, total) 4 KiB-granular pages of ``t``'s own memory, from mincore(2): a property of this one
+    mapping, unlike the process's RSS (which other allocations, threads and the allocator move)."""
+    import ctypes
     import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    n = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vec), n
+
+
+def test_prefaulted_buffers_are_resident_at_once():
+    """``prefault=True`` backs every page of the pool at allocation (the page faults are paid at start-up),
+    the default leaves the mapping unbacked until first written. Checked page by page on the buffer itself."""
+    import sys
 
     from kernels import hugepages
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    if not os.path.exists("/proc/self/statm"):
-        pytest.skip("no /proc here")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mincore on anonymous memory is Linux")
     size = 64 << 20
-    before = rss()
     lazy = hugepages.zeros((size // 4,), torch.float32)
-    assert rss() - before < size // 4  # mapped, not yet backed
-    before = rss()
+    resident, total = _resident_pages(lazy)
+    assert total == size // os.sysconf("SC_PAGE_SIZE") and resident == 0  # mapped, not yet backed
+    lazy[: 1 << 20].fill_(1.0)  # writing 4 MiB backs (at least) those pages, not the whole buffer
+    resident, _ = _resident_pages(lazy)
+    assert (4 << 20) // os.sysconf("SC_PAGE_SIZE") <= resident < total
     eager = hugepages.zeros((size // 4,), torch.float32, prefault=True)
-    assert rss() - before >= size * 0.9 and not eager.any()
+    assert _resident_pages(eager) == (total, total) and not eager.any()
     del lazy, eager

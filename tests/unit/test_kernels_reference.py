@@ -95,13 +95,26 @@ CASES = {
 }
 
 
+# The naive oracle is slow (Python loops): computed once per problem, shared by the backends' parametrizations.
+_NAIVE: dict[tuple, torch.Tensor] = {}
+
+# Both CPU backends by their public names: "cpu" (the C kernels wherever they apply, which on x86 is every
+# shape below) and "torch" (CPUBackend(native=False): the portable gather + SDPA path, otherwise never run on
+# a machine with the C kernels).
+BACKENDS = ["cpu", "torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])  # GQA ratios 1, 3, 4
-def test_paged_attention_matches_naive(case, hq, hkv):
+def test_paged_attention_matches_naive(case, hq, hkv, backend):
     query, kc, vc, bt, lens, qsl = make_case(CASES[case], hq, hkv, seed=zlib.crc32(case.encode()) % 1000)  # stable across processes, unlike hash()
     scale = 0.37
     bt_t, lens_t, qsl_t = torch.from_numpy(bt), torch.from_numpy(lens), torch.from_numpy(qsl)
-    expected = naive_attention(query, kc, vc, bt_t, lens_t, qsl_t, scale)
+    key_ = (case, hq, hkv)
+    if key_ not in _NAIVE:
+        _NAIVE[key_] = naive_attention(query, kc, vc, bt_t, lens_t, qsl_t, scale)
+    expected = _NAIVE[key_]
     got = reference.paged_attention(query, kc, vc, bt_t, lens_t, qsl_t, scale)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -117,7 +130,9 @@ def test_paged_attention_matches_naive(case, hq, hkv):
         scale=scale,
     )
     key, value = _fresh_kv(kc, vc, bt, lens, qsl)
-    fast = CPUBackend().forward(query, key, value, kc, vc, meta)
+    be = get_backend("cpu", backend)
+    assert be.name == backend
+    fast = be.forward(query, key, value, kc, vc, meta)
     torch.testing.assert_close(fast.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -143,13 +158,23 @@ def test_decode_fast_path_is_used_for_leading_decodes():
     assert interleaved.num_decodes == 0
 
 
-def test_paged_attention_bfloat16_close():
-    query, kc, vc, bt, lens, qsl = make_case(CASES["chunked-with-context"], 6, 2, dtype=torch.bfloat16)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_attention_bfloat16_close(backend):
+    """A bfloat16 query and cache (decodes, chunks with context, a context-free prefill): the reference and
+    each backend's bfloat16 path against the float64 oracle."""
+    query, kc, vc, bt, lens, qsl = make_case(CASES["mixed-decodes-first"] + CASES["chunked-with-context"], 6, 2,
+                                             dtype=torch.bfloat16)
     args = (torch.from_numpy(bt), torch.from_numpy(lens), torch.from_numpy(qsl))
     expected = naive_attention(query, kc, vc, *args, 0.3)
     got = reference.paged_attention(query, kc, vc, *args, 0.3)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=3e-2)
+    meta = AttentionMetadata.build(slot_mapping=np.zeros(int(qsl[-1]), np.int64), block_tables=bt, seq_lens=lens,
+                                   query_start_loc=qsl, block_size=kc.shape[1], device="cpu", scale=0.3)
+    key, value = _fresh_kv(kc, vc, bt, lens, qsl)
+    fast = get_backend("cpu", backend).forward(query, key, value, kc, vc, meta)
+    assert fast.dtype == torch.bfloat16 and fast.shape == query.shape
+    torch.testing.assert_close(fast.double(), expected, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("with_negative", [False, True])
@@ -212,6 +237,35 @@ def test_torch_only_backend_avoids_the_c_kernels(monkeypatch):
     if cpu_attention.supports(query, kc):  # the default backend does use them here
         with pytest.raises(AssertionError, match="C kernels"):
             CPUBackend().forward(query, key, value, kc, vc, meta)
+
+
+@pytest.mark.skipif(not cpu_attention.has_simd(), reason="no C compiler or no AVX2+FMA: the C kernels are not built")
+def test_cpu_backend_reads_the_cache_in_place(monkeypatch):
+    """The "cpu" backend hands the C kernels the paged cache tensors themselves (same storage, no gather or
+    copy of the cache, which would cost O(cache) memory and time per layer): one decode call for the leading
+    decodes and one prefill call for all the chunks, and its result matches the reference."""
+    query, kc, vc, bt, lens, qsl = make_case(CASES["mixed-decodes-first"], 8, 2, d=16, bs=4)
+    meta = AttentionMetadata.build(slot_mapping=np.zeros(int(qsl[-1]), np.int64), block_tables=bt, seq_lens=lens,
+                                   query_start_loc=qsl, block_size=4, device="cpu", scale=0.25)
+    key, value = _fresh_kv(kc, vc, bt, lens, qsl)
+    seen = []
+
+    def spy(real, kind):
+        def call(q, k_cache, v_cache, *rest):
+            seen.append((kind, k_cache, v_cache))
+            return real(q, k_cache, v_cache, *rest)
+        return call
+
+    monkeypatch.setattr(cpu_attention, "decode_attention", spy(cpu_attention.decode_attention, "decode"))
+    monkeypatch.setattr(cpu_attention, "prefill_attention", spy(cpu_attention.prefill_attention, "prefill"))
+    got = get_backend("cpu", "cpu").forward(query, key, value, kc, vc, meta)
+    assert [kind for kind, _, _ in seen] == ["decode", "prefill"]
+    for _, k_arg, v_arg in seen:
+        assert k_arg is kc and v_arg is vc
+        assert k_arg.data_ptr() == kc.data_ptr() and v_arg.data_ptr() == vc.data_ptr()
+    expected = reference.paged_attention(query, kc, vc, torch.from_numpy(bt), torch.from_numpy(lens),
+                                         torch.from_numpy(qsl), 0.25)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_helpers_rms_norm_and_silu():

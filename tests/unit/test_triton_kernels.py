@@ -20,9 +20,9 @@ import importlib  # noqa: E402
 import math  # noqa: E402
 
 import pytest  # noqa: E402
+import triton  # noqa: E402,F401 - a dev dependency (pyproject's dev extras): missing it is an error, not a skip
 
-triton = pytest.importorskip("triton")
-
+from kernels import reference as kref  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_common  # noqa: E402
 
@@ -45,11 +45,6 @@ def _interpreted_kernels():
 _interpreted_kernels()
 
 DEVICE = "cpu" if _INTERPRET else "cuda"
-
-try:
-    from kernels import reference as kref
-except ImportError:  # pragma: no cover - the reference module is written in parallel
-    kref = None
 
 TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -144,7 +139,7 @@ def _check_against_refs(p, out):
     naive = p.naive()
     err = _rel_err(out, naive)
     assert err < TOL[p.dtype], f"kernel vs naive relative error {err:.2e}"
-    if kref is not None and p.dtype == torch.float32:
+    if p.dtype == torch.float32:
         ref = kref.paged_attention(
             p.query.cpu(), p.k_cache.cpu(), p.v_cache.cpu(), p.block_tables.cpu(), p.seq_lens.cpu(),
             p.query_start_loc.cpu(), p.scale,
@@ -173,10 +168,9 @@ def test_write_kv_cache(bs, dtype, d):
         if sl >= 0:
             exp_k[sl // bs, sl % bs] = key[t]
             exp_v[sl // bs, sl % bs] = value[t]
-    if kref is not None:
-        rk, rv = k_cache.clone(), v_cache.clone()
-        kref.write_kv_cache(key, value, rk, rv, slots)
-        assert torch.equal(rk, exp_k) and torch.equal(rv, exp_v)
+    rk, rv = k_cache.clone(), v_cache.clone()
+    kref.write_kv_cache(key, value, rk, rv, slots)
+    assert torch.equal(rk, exp_k) and torch.equal(rv, exp_v)
     k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
     ta.write_kv_cache(key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
     assert torch.equal(k_cache.cpu(), exp_k)
@@ -255,9 +249,9 @@ def test_default_num_splits():
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 1, 19, 7]])
 def test_triton_backend(q_lens):
-    backend_mod = pytest.importorskip("kernels.attention_api")
     import numpy as np
 
+    from kernels import attention_api as backend_mod
     from kernels import triton_backend
 
     _interpreted_kernels()
@@ -295,17 +289,14 @@ def test_triton_backend(q_lens):
 def test_engine_greedy_matches_cpu_backend(tmp_path):
     """The Triton backend inside the real engine (tiny random model): chunked prefill, mixed
     decode/prefill steps and a prefix-cache hit give the same greedy tokens as the CPU backend."""
-    try:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        from inferq.settings import load_settings
-        from scheduler.request import Request, SamplingParams
-        from tests.tiny_models import make_tiny_model
-        from worker.engine import LLMEngine
-        from worker.model_runner import ModelRunner
-    except ImportError as exc:  # pragma: no cover - the engine is written in parallel
-        pytest.skip(f"engine not importable: {exc}")
+    from inferq.settings import load_settings
     from kernels import triton_backend
+    from scheduler.request import Request, SamplingParams
+    from tests.tiny_models import make_tiny_model
+    from worker.engine import LLMEngine
+    from worker.model_runner import ModelRunner
 
     _interpreted_kernels()
     model_dir = make_tiny_model(tmp_path, arch="llama", num_hidden_layers=1, num_attention_heads=6,
