@@ -124,8 +124,17 @@ def _webhook_url(value: str) -> str:
     return value
 
 
+def _integral(value: Any) -> Any:
+    """A number without a fraction is an integer, as JSON Schema (hence the OpenAPI document) counts: ``8.0`` is
+    8, and a JavaScript client cannot even tell them apart. Anything else goes to the strict check as sent."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 StorableStr = Annotated[str, BeforeValidator(_storable)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Integer = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Integer, Field(ge=0, le=INT64_MAX)]
 
 
 class ChatMessage(BaseModel):
@@ -138,7 +147,8 @@ class JobCreate(BaseModel):
     """A generation job. Give exactly one of ``prompt``, ``messages`` (chat, rendered with the model's
     chat template) or ``prompt_ids`` (token ids)."""
 
-    # strict: a value is taken only as the type the schema names (``false`` is not the integer 0, ``"3"`` not 3)
+    # strict: a value is taken only as the type the schema names (``false`` is not the integer 0, ``"3"`` not 3;
+    # ``3.0`` is 3, as JSON Schema counts)
     model_config = ConfigDict(
         extra="forbid",
         strict=True,
@@ -156,16 +166,16 @@ class JobCreate(BaseModel):
         None, description="Plain-text prompt.")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="Chat messages.")
     prompt_ids: list[TokenId] | None = Field(None, min_length=1, description="Prompt token ids.")
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000, description="Most tokens to generate.")
+    max_tokens: Integer = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000, description="Most tokens to generate.")
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=100.0, description="0 is greedy.")
     top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(DEFAULT_TOP_K, ge=0, le=INT64_MAX, description="Keep the k most likely tokens; 0 disables.")
-    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-job seed: the same seed gives the same output.")
+    top_k: Integer = Field(DEFAULT_TOP_K, ge=0, le=INT64_MAX, description="Keep the k most likely tokens; 0 disables.")
+    seed: Integer | None = Field(None, ge=0, le=INT64_MAX, description="Per-job seed: the same seed gives the same output.")
     stop: list[Annotated[str, BeforeValidator(_storable), Field(min_length=1)]] = Field(default_factory=list, max_length=16, description="Stop strings (not included in the output).")
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64, description="Stop token ids.")
     ignore_eos: bool = Field(DEFAULT_IGNORE_EOS, description="Keep generating past end-of-sequence.")
     tier: Literal["interactive", "batch"] = Field("interactive", description="interactive: latency tier; batch: cheaper throughput tier.")
-    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first among this tenant's jobs in a tier (tenants share a tier fairly: docs/ENGINE.md).")
+    priority: Integer = Field(0, ge=-1000, le=1000, description="Higher runs first among this tenant's jobs in a tier (tenants share a tier fairly: docs/ENGINE.md).")
     webhook_url: Annotated[str, BeforeValidator(_storable), Field(max_length=2000), AfterValidator(_webhook_url),
                            WithJsonSchema({"type": "string", "maxLength": 2000, "pattern": WEBHOOK_URL_PATTERN})] | None = Field(
         None, description="POSTed the finished job (signed) when it ends; its host must resolve to public addresses.")
@@ -312,8 +322,16 @@ def model_id(name_or_path: str) -> str:
     return Path(name_or_path).name if ("/" in name_or_path or name_or_path.startswith(".")) else name_or_path
 
 
-def stream_key(prefix: str, model: str, tier: str) -> str:
-    return f"{prefix}:jobs:{model}:{tier}"
+def stream_key(prefix: str, model: str, tier: str, tenant: str | None = None) -> str:
+    """A tier's job stream; with ``tenant``, that tenant's lane of it (fair share: one stream per tenant,
+    read round-robin, so one tenant's backlog does not queue the others behind it)."""
+    base = f"{prefix}:jobs:{model}:{tier}"
+    return base if tenant is None else f"{base}:tenant:{tenant}"
+
+
+def lanes_key(prefix: str, model: str, tier: str) -> str:
+    """Redis set of the tenant lanes (stream keys) of a model's tier that have ever had a job."""
+    return f"{prefix}:lanes:{model}:{tier}"
 
 
 def events_key(prefix: str, job_id: str) -> str:

@@ -100,7 +100,11 @@ class Settings(BaseSettings):
     )
     fair_share: bool = Field(
         True, description="Within each tier, admit waiting requests round-robin over tenants by tokens (deficit "
-        "round robin, weighted by tenants.fair_share_weight) instead of in arrival order. See docs/ENGINE.md.")
+        "round robin, weighted by tenants.fair_share_weight) instead of in arrival order; jobs are queued in one "
+        "Redis stream per tenant and tier, which workers read round-robin. See docs/ENGINE.md and docs/SERVICE.md.")
+    fair_read_ahead: int = Field(
+        4, ge=0, description="Jobs of tenants with none on a worker that it reads beyond its engine's room, so a "
+        "fair share can seat them at once instead of after a running job ends (0: read only what fits).")
     torch_threads: int | None = Field(None, description="torch intra-op threads (default: all cores).")
 
     # --- queue and worker ---------------------------------------------------------------------------

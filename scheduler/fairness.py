@@ -139,3 +139,10 @@ class FairQueue:
     def tenants(self) -> list[str]:
         """Tenants with waiting requests, in turn order (the head's turn is on)."""
         return list(self._ring)
+
+    def head(self, tenant: str) -> Request:
+        """The request ``tenant`` would be admitted next (its priority order, FIFO within one)."""
+        return self._queues[tenant][0]
+
+    def weight(self, tenant: str) -> float:
+        return self._weight[tenant]

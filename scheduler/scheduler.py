@@ -7,6 +7,7 @@ prompt is simply computed over several steps (chunked prefill). See docs/ENGINE.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -57,6 +58,7 @@ class Scheduler:
         self._finished: list[Request] = []  # ended between steps, reported by the next schedule()
         self._cohort: set[str] = set()  # static policy: the batch being run to completion
         self._num_deadlines = 0
+        self._seat_victims: set[int] = set()  # ids of requests preempted this step for a fair share of seats
 
     def _new_queue(self) -> FairQueue:
         # The static policy's cohort is simply the first requests in order: fair share applies to continuous.
@@ -177,11 +179,15 @@ class Scheduler:
             if head.block_table or len(self.running) < self.config.max_num_seqs:
                 reserve = min(share, budget - 1)
         done: set[int] = set()  # ids of requests scheduled or preempted this step
+        self._seat_victims = set()
+        claims_i = self._seat_claims(Tier.INTERACTIVE, out, done, protect=head)
+        claims_b = self._seat_claims(Tier.BATCH, out, done, protect=head)
 
         used = self._run(run_i, budget - reserve, out, done, protect=head)
-        used += self._admit(wait_i, budget - reserve - used, out, done, protect=head, reserve=head_blocks, seats=seats)
+        used += self._admit(wait_i, budget - reserve - used, out, done, protect=head, reserve=head_blocks, seats=seats,
+                            claims=claims_i)
         used += self._run([r for r in run_b if r.status is RequestStatus.RUNNING], budget - used, out, done)
-        used += self._admit(wait_b, budget - used, out, done)
+        used += self._admit(wait_b, budget - used, out, done, claims=claims_b)
         self._grant_proposals(out, budget - used)
         return out
 
@@ -219,24 +225,67 @@ class Scheduler:
                 out.scheduled[i] = (req, n + k)
                 budget -= k
 
-    def _admission_order(self, queue: FairQueue) -> Iterator[Request]:
-        """The waiting requests in the order they may be admitted: the fair (DRR) order, one at a time (the
-        caller admits or stops before asking for the next); static policy: the current cohort, in order."""
+    def _seat_claims(self, tier: Tier, out: SchedulerOutput, done: set[int], protect: Request | None) -> list[Request]:
+        """Fair share of the running seats within a tier: the head requests of tenants holding fewer seats
+        (per unit of weight) than another tenant of the tier holds, most deprived first, to be admitted before
+        the DRR order. When no seat is free, each claim preempts the latest request of the tenant holding the
+        most seats per weight. Why: DRR decides who is admitted next, but with every seat taken by a heavy
+        tenant's long decodes a newcomer would still wait for one of them to end (many steps); a claim makes
+        that one step. It never reverses itself: a claim is made only while the victim's tenant would keep
+        at least as many seats per weight as the claimant gets, so the preempted tenant cannot claim back.
+        Preemption recomputes little: the victim's full blocks stay in the prefix cache."""
+        queue = self.waiting[tier]
+        if not (queue.fair and len(queue)):
+            return []
+        mine = [r for r in self.running if r.tier is tier]
+        seats = Counter(r.tenant for r in mine)
+        weight = {r.tenant: r.weight for r in mine} | {t: queue.weight(t) for t in queue.tenants()}
+        free = self.config.max_num_seqs - len(self.running)
+        if tier is Tier.INTERACTIVE:  # interactive admissions take batch seats first (see _admit)
+            free += sum(r.tier is Tier.BATCH and r is not protect for r in self.running)
+        claims = []
+        for tenant in sorted(queue.tenants(), key=lambda t: (seats[t] + 1) / weight[t]):
+            richest = max(seats, key=lambda t: seats[t] / weight[t], default=None)
+            if richest is None or seats[richest] / weight[richest] <= (seats[tenant] + 1) / weight[tenant]:
+                break  # nobody holds more than this tenant would with one seat more
+            if free <= 0:
+                victims = [r for r in mine if r.tenant == richest and r is not protect and id(r) not in done]
+                if not victims:
+                    break
+                victim = max(victims, key=lambda r: r.sort_key)
+                self._preempt(victim, out, done)
+                self._seat_victims.add(id(victim))
+                mine.remove(victim)
+                seats[richest] -= 1
+                free += 1
+            free -= 1
+            seats[tenant] += 1
+            claims.append(queue.head(tenant))
+        return claims
+
+    def _admission_order(self, queue: FairQueue, claims: list[Request]) -> Iterator[Request]:
+        """The waiting requests in the order they may be admitted: seat claims, then the fair (DRR) order, one
+        at a time (the caller admits or stops before asking for the next); static policy: the current
+        cohort, in order."""
         if self.config.policy == "static":
             yield from [r for r in queue if self._admissible(r)]
             return
+        yield from claims
         while (req := queue.peek()) is not None:
             yield req
 
     def _admit(self, queue: FairQueue, budget: int, out: SchedulerOutput, done: set[int],
-               protect: Request | None = None, reserve: int = 0, seats: int = 0) -> int:
+               protect: Request | None = None, reserve: int = 0, seats: int = 0,
+               claims: list[Request] | None = None) -> int:
         """Admit waiting requests in admission order (no overtaking: one that does not fit blocks its
         queue), leaving ``reserve`` blocks and ``seats`` running slots free. An interactive request finding
         every seat taken preempts a batch one for its seat, as it would for blocks."""
         used = 0
-        for req in self._admission_order(queue):
-            # A request preempted this step (for blocks running work needs) stops its tier's admissions.
-            if budget - used <= 0 or any(r.tier is req.tier for r in out.preempted):
+        for req in self._admission_order(queue, claims or []):
+            # A request preempted this step for blocks running work needs stops its tier's admissions
+            # (one preempted for a fair seat does not: it went back to wait behind the claim).
+            if budget - used <= 0 or any(r.tier is req.tier and id(r) not in self._seat_victims
+                                         for r in out.preempted):
                 break
             if len(self.running) >= self.config.max_num_seqs - seats:
                 victim = self._victim(req, done, protect, batch_only=True) if req.tier is Tier.INTERACTIVE else None

@@ -87,6 +87,11 @@ class EngineDriver:
         cap = self.engine.capacity()
         return cap.requests if cap.tokens > 0 else 0
 
+    def num_waiting(self) -> int:
+        """Requests the engine holds that do not run yet (0 for an engine that does not say)."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        return int(getattr(scheduler, "num_waiting", 0) or 0)
+
     def busy_seconds(self) -> float:
         stats = getattr(self.engine, "stats", None)
         value = getattr(stats, "busy_seconds", None)

@@ -42,7 +42,8 @@ class WorkerMetrics:
             return _ForModel(m, model)
 
         self.queue_depth = metric(Gauge, "inferq_queue_depth",
-                                  "Messages in the job stream not yet finished (waiting + pending).", ("stream",))
+                                  "Messages in a tier's job streams (its own and its tenants' lanes) not yet finished (waiting + pending).",
+                                  ("stream",))
         self.queue_pending = metric(Gauge, "inferq_queue_pending",
                                     "Messages delivered to a worker and not yet acknowledged.", ("stream",))
         self.queue_oldest_age = metric(Gauge, "inferq_queue_oldest_age_seconds", "Age of the oldest unfinished message.",

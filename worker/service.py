@@ -16,7 +16,8 @@ One loop, one thread:
 2. cancellations from the ``cancel_channel`` pub/sub → ``engine.abort`` (reported by the next step);
 3. database work that waits (starts, finalizations) is retried with exponential backoff;
 4. admission: ``XAUTOCLAIM`` messages idle longer than ``claim_idle_ms`` (their worker is dead), then
-   ``XREADGROUP`` interactive before batch, only as many as ``engine.capacity()`` admits; each message is
+   ``XREADGROUP`` interactive before batch, round-robin over tenant lanes, as many as ``engine.capacity()``
+   admits (plus a few of tenants the worker holds none of, under fair share); each message is
    decoded (bad ones go to the dead-letter stream), the job is claimed with a conditional UPDATE
    (``queued -> running``, or ``running -> running`` when the previous worker's heartbeat is stale) and
    becomes an engine ``Request``;
@@ -208,9 +209,12 @@ class Worker:
 
     def _admit(self, block: bool) -> int:
         n = min(self.driver.room(), MAX_START_BATCH) - len(self.store.start_q)
-        if n <= 0:
+        # Under fair share, a few jobs of tenants this worker holds none of are read even when the engine is
+        # full: its scheduler then gives them a seat at once (preempting a tenant that holds more).
+        newcomers = self.settings.fair_read_ahead - self.driver.num_waiting() if self.settings.fair_share else 0
+        if n <= 0 and newcomers <= 0:
             return 0
-        got = self.consumer.read(n, block, self._held_messages)
+        got = self.consumer.read(max(0, n), block, self._held_messages, newcomers=newcomers)
         if got:
             self.store.start_q += self.consumer.decode(got)
             if self.store.start_q:

@@ -1,10 +1,14 @@
-"""The worker's Redis side: its consumer group on the two job streams of one model, and the cancel channel.
+"""The worker's Redis side: its consumer group on the job streams of one model, and the cancel channel.
 
 Separate from the loop so the queue protocol of docs/SERVICE.md reads in one place:
 
+* the streams: each tier has its own stream plus, under fair share, one lane per tenant
+  (``stream_key(..., tenant)``, listed in the tier's lanes set, refreshed every ``LANE_REFRESH_SECONDS``);
 * ``read``: only as many messages as the caller has room for: first ``XAUTOCLAIM`` of messages idle longer
-  than ``claim_idle_ms`` (their worker is dead), then ``XREADGROUP`` interactive before batch, and a short
-  BLOCK only when the worker is idle;
+  than ``claim_idle_ms`` (their worker is dead), then ``XREADGROUP`` interactive before batch, round-robin
+  over a tier's lanes (those of tenants this worker holds fewest jobs of first), so one tenant's backlog does
+  not queue another's jobs behind it; plus up to ``newcomers`` jobs of tenants it holds none of, beyond the
+  room (the engine's fair share seats them at once); a short BLOCK only when the worker is idle;
 * ``decode``: each message becomes a typed ``JobMessage``; malformed ones (or an unknown schema version) go to
   the dead-letter stream and are acknowledged;
 * ``keep_alive``: ``XCLAIM ... JUSTID`` resets the idle time of the messages this worker holds, so a live
@@ -20,6 +24,7 @@ The consumer group is created at id 0 and recreated after NOGROUP (e.g. after a 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +32,19 @@ from typing import Any
 import redis as redis_lib
 
 from inferq import jobs
-from inferq.contract import JobMessage, MessageError, cancel_channel, dead_letter_key, stream_key
+from inferq.contract import (
+    TIERS,
+    JobMessage,
+    MessageError,
+    cancel_channel,
+    dead_letter_key,
+    lanes_key,
+    stream_key,
+)
 from inferq.settings import Settings
 from worker.metrics import WorkerMetrics
+
+LANE_REFRESH_SECONDS = 0.1  # how soon a new tenant's lane is read (one SMEMBERS per tier per refresh)
 
 
 @dataclass
@@ -58,24 +73,48 @@ class StreamConsumer:
         self.name = name
         self.prefix = settings.stream_prefix
         self.group = settings.consumer_group
-        self.streams = [stream_key(self.prefix, model, "interactive"), stream_key(self.prefix, model, "batch")]
+        self.model = model
+        # per tier (interactive first): the tier's own stream, then its tenant lanes
+        self.lanes = {tier: [stream_key(self.prefix, model, tier)] for tier in TIERS}
         self.metrics = metrics
         self.log = log
         self.pubsub: Any = None
         self.next_autoclaim = 0.0
+        self.next_lane_refresh = 0.0
+        self.turn = 0  # rotates the lanes' round-robin start, read by read
+
+    @property
+    def streams(self) -> list[str]:
+        """Every stream this worker reads, interactive ones first."""
+        return [lane for tier in TIERS for lane in self.lanes[tier]]
 
     def pipeline(self, transaction: bool = False) -> Any:
         return self.redis.pipeline(transaction=transaction)
 
     # --- set-up and cancellations --------------------------------------------------------------------------
 
-    def ensure_groups(self) -> None:
-        for stream in self.streams:
+    def ensure_groups(self, streams: Iterable[str] | None = None) -> None:
+        for stream in self.streams if streams is None else streams:
             try:
                 self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
             except redis_lib.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+
+    def refresh_lanes(self, force: bool = False) -> None:
+        """Pick up tenant lanes created since the last look (their group starts at id 0: nothing is missed)."""
+        now = time.monotonic()
+        if not force and now < self.next_lane_refresh:
+            return
+        self.next_lane_refresh = now + LANE_REFRESH_SECONDS
+        pipe = self.pipeline()
+        for tier in TIERS:
+            pipe.smembers(lanes_key(self.prefix, self.model, tier))
+        for tier, members in zip(TIERS, pipe.execute(), strict=True):
+            new = sorted(set(map(_text, members)) - set(self.lanes[tier]))
+            if new:
+                self.ensure_groups(new)
+                self.lanes[tier] += new
 
     def subscribe(self) -> None:
         try:
@@ -108,24 +147,36 @@ class StreamConsumer:
 
     # --- reading ---------------------------------------------------------------------------------------------
 
-    def read(self, n: int, block: bool, held: Callable[[], Iterable[Message]]) -> list[Message]:
+    def read(self, n: int, block: bool, held: Callable[[], Iterable[Message]], newcomers: int = 0) -> list[Message]:
         """Up to ``n`` messages: idle ones reclaimed from dead workers (when due; never one in ``held()``, the
-        messages this worker holds), then new ones, interactive before batch; if there are none and ``block``,
-        wait briefly for one."""
+        messages this worker holds), then new ones, interactive before batch, round-robin over each tier's
+        lanes; then up to ``newcomers`` more from lanes this worker holds nothing of; if there are none and
+        ``block``, wait briefly for one."""
         got: list[Message] = []
         try:
+            self.refresh_lanes()
             now = time.monotonic()
-            if now >= self.next_autoclaim:
+            if n > 0 and now >= self.next_autoclaim:
                 self.next_autoclaim = now + max(0.2, min(self.settings.heartbeat_seconds,
                                                          self.settings.claim_idle_ms / 2000))
                 got += self._autoclaim(n, held)
-            for stream in self.streams:  # interactive first
+            load = Counter(m.stream for m in held())
+            lag = self._lags() if n > len(got) or newcomers > 0 else {}
+            self.turn += 1
+            for tier in TIERS:  # interactive first
                 want = n - len(got)
                 if want <= 0:
                     break
-                got += self._read({stream: ">"}, want, None)
+                got += self._read_lanes(self._lane_order(tier, load), want, lag)
+            if newcomers > 0:
+                load.update(m.stream for m in got)
+                idle = [lane for tier in TIERS for lane in self._lane_order(tier, load)
+                        if not load[lane] and lag.get(lane, 1) != 0]
+                got += self._read({lane: ">" for lane in idle[:newcomers]}, 1, None) if idle else []
             if not got and block:
-                block_ms = int(max(50, min(500, self.settings.heartbeat_seconds * 500)))
+                self.refresh_lanes(force=True)
+                # short: a lane created while this blocks is only read after it (and the next refresh)
+                block_ms = int(max(50, min(100, self.settings.heartbeat_seconds * 500)))
                 got += self._read({s: ">" for s in self.streams}, 1, block_ms)
         except redis_lib.ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -133,6 +184,44 @@ class StreamConsumer:
             self.log.warning("consumer group missing (Redis flushed?); recreating it")
             self.ensure_groups()
         return got
+
+    def _lane_order(self, tier: str, load: Counter) -> list[str]:
+        """A tier's lanes, those this worker holds fewest messages of first, rotating among equals."""
+        lanes = self.lanes[tier]
+        k = self.turn % len(lanes)
+        return sorted(lanes[k:] + lanes[:k], key=lambda lane: load[lane])
+
+    def _lags(self) -> dict[str, int | None]:
+        """Entries not yet delivered to the group, per stream (one round trip; XINFO GROUPS ``lag``). None when
+        Redis cannot say (an undelivered entry was deleted, no group yet): the stream may have some."""
+        pipe = self.pipeline()
+        for stream in self.streams:
+            pipe.xinfo_groups(stream)
+        lags: dict[str, int | None] = {}
+        for stream, groups in zip(self.streams, pipe.execute(raise_on_error=False), strict=True):
+            mine = [g for g in groups if _text(g["name"]) == self.group] if isinstance(groups, list) else []
+            lags[stream] = mine[0].get("lag") if mine else None
+        return lags
+
+    def _read_lanes(self, lanes: list[str], want: int, lag: Mapping[str, int | None]) -> list[Message]:
+        """Up to ``want`` messages, as evenly over ``lanes`` as they have them: shares dealt one at a time in
+        ``lanes`` order, each lane capped by its lag, then one XREADGROUP per distinct share."""
+        share: Counter = Counter()
+        open_lanes = [lane for lane in lanes if lag.get(lane) != 0]
+        left = want
+        while left > 0 and open_lanes:
+            for lane in list(open_lanes):
+                if left == 0:
+                    break
+                share[lane] += 1
+                left -= 1
+                known = lag.get(lane)
+                if known is not None and share[lane] >= known:
+                    open_lanes.remove(lane)
+        by_count: dict[int, list[str]] = {}
+        for lane, count in share.items():
+            by_count.setdefault(count, []).append(lane)
+        return [m for count, group in by_count.items() for m in self._read({lane: ">" for lane in group}, count, None)]
 
     def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Message]:
         resp = self.redis.xreadgroup(self.group, self.name, streams, count=count, block=block)
@@ -145,7 +234,13 @@ class StreamConsumer:
     def _autoclaim(self, n: int, held: Callable[[], Iterable[Message]]) -> list[Message]:
         mine = {(m.stream, m.msg_id) for m in held()}
         out: list[Message] = []
-        for stream in self.streams:
+        pipe = self.pipeline()
+        for stream in self.streams:  # one round trip to find the streams with pending messages at all
+            pipe.xpending(stream, self.group)
+        pending = pipe.execute(raise_on_error=False)
+        for stream, summary in zip(self.streams, pending, strict=True):
+            if not isinstance(summary, dict) or not summary.get("pending"):
+                continue
             if len(out) >= n:
                 break
             resp = self.redis.xautoclaim(stream, self.group, self.name, self.settings.claim_idle_ms,
@@ -233,6 +328,7 @@ class StreamConsumer:
             self.log.warning("cannot write worker stats", error=str(exc))
 
     def queue_metrics(self) -> None:
+        """Depth, pending and oldest age per tier, summed over its lanes (labelled with the tier's stream)."""
         try:
             pipe = self.pipeline()
             for stream in self.streams:
@@ -243,15 +339,18 @@ class StreamConsumer:
         except redis_lib.RedisError:
             return
         now_ms = time.time() * 1000
-        for i, stream in enumerate(self.streams):
-            depth, first, pending = res[3 * i: 3 * i + 3]
-            if isinstance(depth, int):
-                self.metrics.queue_depth.labels(stream).set(depth)
-            if isinstance(first, list):
-                age = 0.0
-                if first:
-                    mid = _text(first[0][0])
-                    age = max(0.0, (now_ms - int(mid.split("-")[0])) / 1000)
-                self.metrics.queue_oldest_age.labels(stream).set(age)
-            if isinstance(pending, dict):
-                self.metrics.queue_pending.labels(stream).set(pending.get("pending", 0))
+        by_stream = {stream: res[3 * i: 3 * i + 3] for i, stream in enumerate(self.streams)}
+        for tier in TIERS:
+            depth = pending = 0
+            oldest: int | None = None
+            for lane in self.lanes[tier]:
+                d, first, p = by_stream[lane]
+                depth += d if isinstance(d, int) else 0
+                pending += p.get("pending", 0) if isinstance(p, dict) else 0
+                if isinstance(first, list) and first:
+                    ms = int(_text(first[0][0]).split("-")[0])
+                    oldest = ms if oldest is None else min(oldest, ms)
+            label = self.lanes[tier][0]
+            self.metrics.queue_depth.labels(label).set(depth)
+            self.metrics.queue_pending.labels(label).set(pending)
+            self.metrics.queue_oldest_age.labels(label).set(0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000))

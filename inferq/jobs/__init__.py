@@ -11,7 +11,15 @@ the modules below, one concern each.
 * ``errors``: ``Conflict`` (409) and ``QuotaExceeded`` (429).
 """
 
-from inferq.jobs.enqueue import Unenqueueable, enqueue, enqueue_many, enqueued_key
+from inferq.jobs.enqueue import (
+    Unenqueueable,
+    enqueue,
+    enqueue_many,
+    enqueued_key,
+    queue_counts,
+    queued_entries,
+    tier_streams,
+)
 from inferq.jobs.errors import Conflict, JobError, QuotaExceeded
 from inferq.jobs.events import (
     EVENT_DELTA,
@@ -49,6 +57,7 @@ __all__ = [
     "EVENT_DELTA", "EVENT_DONE", "EVENT_RESET", "LEDGER_LAG_SECONDS", "QUOTA_RECOUNT_SECONDS", "STATUS_FOR_FINISH",
     "AttemptFilter", "Conflict", "JobError", "Outcome", "QuotaExceeded", "ReconcileReport", "Unenqueueable",
     "cancel", "claim", "current_price", "delta_event", "done_event", "enqueue", "enqueue_many", "enqueued_key",
+    "queue_counts", "queued_entries", "tier_streams",
     "estimate_tokens", "final_text", "finish", "heartbeat", "owned_by", "owner_of", "publish_events", "publish_reset", "reconcile",
     "reconcile_lock_key", "record_first_tokens", "reset_event", "stale_after_seconds", "status_of", "submit", "submit_many",
     "transition", "worker_key",

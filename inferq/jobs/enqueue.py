@@ -1,4 +1,5 @@
-"""Enqueueing: the job's msgpack message XADDed to its tier's stream, and its id added to the enqueued set
+"""Enqueueing: the job's msgpack message XADDed to its tier's stream (its tenant's lane of it under fair
+share), and its id added to the enqueued set
 (the reconciler's cheap index of which queued jobs have a message), in one MULTI.
 
 A job whose message cannot be encoded (text with a lone surrogate, an integer msgpack cannot hold: rows
@@ -11,7 +12,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from inferq.contract import DEFAULT_WEIGHT, encode_message, stream_key
+import redis as redis_lib
+
+from inferq.contract import DEFAULT_WEIGHT, encode_message, lanes_key, stream_key
 from inferq.db import Job, unix_time
 from inferq.settings import Settings
 
@@ -27,6 +30,17 @@ class Unenqueueable(ValueError):
 def enqueued_key(prefix: str) -> str:
     """Redis set of job ids that have a message in a job stream (the reconciler's cheap index)."""
     return f"{prefix}:enqueued"
+
+
+def _push(pipe: Any, settings: Settings, job: Job, payload: bytes) -> None:
+    """Queue the XADD of ``payload``: to the tenant's lane of the tier (registered in the lanes set) under fair
+    share, else to the tier's one stream."""
+    if settings.fair_share:
+        lane = stream_key(settings.stream_prefix, job.model, job.tier, job.tenant_id)
+        pipe.xadd(lane, {"m": payload})
+        pipe.sadd(lanes_key(settings.stream_prefix, job.model, job.tier), lane)
+    else:
+        pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
 
 
 def message_for(job: Job, cache_namespace: str, weight: float = DEFAULT_WEIGHT) -> bytes:
@@ -46,9 +60,9 @@ def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str, weig
     tenant's fair-share weight (carried in the message; the default when a caller has no tenant row at hand)."""
     payload = message_for(job, cache_namespace, weight)
     pipe = redis.pipeline(transaction=True)
-    pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
+    _push(pipe, settings, job, payload)
     pipe.sadd(enqueued_key(settings.stream_prefix), job.id)
-    msg_id, _ = pipe.execute()
+    msg_id = pipe.execute()[0]
     return msg_id.decode() if isinstance(msg_id, bytes) else msg_id
 
 
@@ -66,8 +80,33 @@ def enqueue_many(redis: Any, settings: Settings, jobs_ns: Sequence[tuple[Job, st
     if payloads:
         pipe = redis.pipeline(transaction=True)
         for job, payload in payloads:
-            pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
+            _push(pipe, settings, job, payload)
         pipe.sadd(enqueued_key(settings.stream_prefix), *[job.id for job, _ in payloads])
         pipe.execute()
     if bad:
         raise Unenqueueable(bad)
+
+
+def tier_streams(redis: Any, prefix: str, model: str, tier: str) -> list[str]:
+    """Every stream a tier's jobs may wait in: the tier's own stream, then its tenants' lanes."""
+    lanes = sorted(m.decode() if isinstance(m, bytes) else m for m in redis.smembers(lanes_key(prefix, model, tier)))
+    return [stream_key(prefix, model, tier), *lanes]
+
+
+def queued_entries(redis: Any, prefix: str, model: str, tier: str) -> list[tuple[Any, dict]]:
+    """The entries (id, fields) of all of a tier's streams, in the order they were added (ops and tests)."""
+    entries = [e for stream in tier_streams(redis, prefix, model, tier) for e in redis.xrange(stream)]
+    return sorted(entries, key=lambda e: tuple(map(int, (e[0].decode() if isinstance(e[0], bytes) else e[0]).split("-"))))
+
+
+def queue_counts(redis: Any, prefix: str, model: str, tier: str, group: str) -> tuple[int, int]:
+    """(entries, pending) over all of a tier's streams: the jobs waiting or held un-acknowledged by a worker
+    (entries count both: an entry is deleted when acknowledged), and those held."""
+    entries = pending = 0
+    for stream in tier_streams(redis, prefix, model, tier):
+        entries += redis.xlen(stream)
+        try:
+            pending += redis.xpending(stream, group)["pending"]
+        except redis_lib.ResponseError:  # no group yet: no worker has read the stream
+            pass
+    return entries, pending

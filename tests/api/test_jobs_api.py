@@ -10,6 +10,7 @@ import pytest
 
 from api.app import create_app
 from api.tenants import create_key, revoke_key
+from inferq import jobs
 from inferq.contract import stream_key
 from inferq.db import Job
 from tests.registry_helpers import register_worker
@@ -28,7 +29,10 @@ def test_submit_then_get(client, tenant, settings, redis_client):
                             "cancel": f"/v1/jobs/{job['id']}/cancel"}
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     # queued on the Redis stream of its (model, tier)
-    assert redis_client.xlen(stream_key(settings.stream_prefix, settings.model, "interactive")) == 1
+    assert jobs.queue_counts(redis_client, settings.stream_prefix, settings.model, "interactive",
+                             settings.consumer_group) == (1, 0)
+    # in its tenant's lane of that stream (fair share)
+    assert redis_client.xlen(stream_key(settings.stream_prefix, settings.model, "interactive", tenant.tenant_id)) == 1
 
     g = client.get(f"/v1/jobs/{job['id']}", headers=tenant.headers)
     assert g.status_code == 200

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from inferq import jobs
-from inferq.contract import JobCreate, decode_message, stream_key
+from inferq.contract import JobCreate, decode_message
 from inferq.db import Job, Price, Tenant, make_engine, make_sessionmaker
 
 pytestmark = pytest.mark.integration
@@ -70,7 +70,7 @@ def _queued(db, tenant_id: str) -> int:
 
 def _stream_ids(redis_client, settings, tier="batch") -> list[str]:
     return [decode_message(f[b"m"])["job_id"]
-            for _, f in redis_client.xrange(stream_key(settings.stream_prefix, settings.model, tier))]
+            for _, f in jobs.queued_entries(redis_client, settings.stream_prefix, settings.model, tier)]
 
 
 def test_queued_quota_exact_across_threads_and_processes(db, engines, settings, redis_client, make_tenant):

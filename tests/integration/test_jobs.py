@@ -36,7 +36,7 @@ def body(**kw) -> JobCreate:
 
 
 def stream_ids(r, cfg, tier="interactive") -> list[str]:
-    return [decode_message(f[b"m"])["job_id"] for _, f in r.xrange(stream_key(cfg.stream_prefix, "tiny", tier))]
+    return [decode_message(f[b"m"])["job_id"] for _, f in jobs.queued_entries(r, cfg.stream_prefix, "tiny", tier)]
 
 
 def test_submit_writes_row_then_message(db, r, cfg):
@@ -49,7 +49,7 @@ def test_submit_writes_row_then_message(db, r, cfg):
         assert row.deadline_at is not None and 29 < (row.deadline_at - row.created_at).total_seconds() <= 30
         price = s.get(Price, row.price_id)
         assert (price.version, price.prompt_per_mtok) == (1, cfg.price_prompt_per_mtok)
-    (msg_id, fields), = r.xrange(stream_key(cfg.stream_prefix, "tiny", "interactive"))
+    (msg_id, fields), = r.xrange(stream_key(cfg.stream_prefix, "tiny", "interactive", tenant.id))  # its lane
     msg = decode_message(fields[b"m"])
     assert msg["job_id"] == job.id and msg["ns"] == tenant.cache_namespace and msg["priority"] == 3
     assert msg["request"]["prompt"] == "hello world" and msg["deadline"] == pytest.approx(row.deadline_at.timestamp())
@@ -226,7 +226,7 @@ def test_reconcile_requeues_stale_running_and_expires(db, r, cfg):
             assert jobs.transition(s, jid, "queued", "running", worker="dead", attempts=1, heartbeat_at=hb, started_at=hb)
         s.execute(update(Job).where(Job.id == late.id).values(deadline_at=utcnow() - dt.timedelta(seconds=1)))
         s.commit()
-    r.delete(stream_key(cfg.stream_prefix, "tiny", "interactive"))
+    r.delete(*jobs.tier_streams(r, cfg.stream_prefix, "tiny", "interactive"))
     rep = jobs.reconcile(db, r, cfg, grace_seconds=0)
     assert rep.requeued == 1 and rep.expired >= 1
     with db() as s:

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import update
 
 from inferq import jobs
-from inferq.contract import JobCreate, decode_message, events_key, stream_key
+from inferq.contract import JobCreate, decode_message, events_key
 from inferq.db import Job, Result, UsageEntry, utcnow
 from tests.conftest import fresh_database
 from tests.service_fixtures import make_tenant, private_redis  # noqa: F401
@@ -55,7 +55,7 @@ def _running(db, r, cfg, *, heartbeat_age: float, cancel_requested: bool = False
                                heartbeat_at=beat)
         s.execute(update(Job).where(Job.id == job.id).values(**values))
         s.commit()
-    r.delete(stream_key(cfg.stream_prefix, "tiny", "interactive"))
+    r.delete(*jobs.tier_streams(r, cfg.stream_prefix, "tiny", "interactive"))
     r.srem(jobs.enqueued_key(cfg.stream_prefix), job.id)
     return job.id
 
@@ -69,7 +69,7 @@ def _state(db, job_id: str) -> tuple[Job, list[Result], list[UsageEntry]]:
 def _messages(r, cfg, job_id: str) -> int:
     """This job's messages on its stream (the shared test database holds other tests' queued jobs, which
     the reconciler rightly re-adds)."""
-    entries = r.xrange(stream_key(cfg.stream_prefix, "tiny", "interactive"))
+    entries = jobs.queued_entries(r, cfg.stream_prefix, "tiny", "interactive")
     return sum(decode_message(fields[b"m"])["job_id"] == job_id for _, fields in entries)
 
 

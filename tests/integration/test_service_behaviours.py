@@ -53,10 +53,14 @@ def _stream(svc: Service) -> str:
     return stream_key(svc.prefix, svc.model, "interactive")
 
 
+def _counts(svc: Service) -> tuple[int, int]:
+    """(entries, pending) over the interactive tier's streams (its own and the tenant lanes)."""
+    return jobs.queue_counts(svc.redis, svc.prefix, svc.model, "interactive", svc.settings.consumer_group)
+
+
 def _drained(svc: Service) -> bool:
-    """Every message of the interactive stream acknowledged and deleted."""
-    stream = _stream(svc)
-    return svc.redis.xpending(stream, svc.settings.consumer_group)["pending"] == 0 and svc.redis.xlen(stream) == 0
+    """Every message of the interactive streams acknowledged and deleted."""
+    return _counts(svc) == (0, 0)
 
 
 def _log_events(svc: Service, event: str, job_id: str) -> list[dict]:
@@ -151,12 +155,11 @@ def test_outage_longer_than_db_retry_max_seconds_abandons_then_reclaims(svc):
     twice, nothing stays running."""
     ids = [svc.submit(max_tokens=ENDLESS, ignore_eos=True) for _ in range(2)]
     svc.wait_status(ids, ("running",), timeout=30)
-    stream, group = _stream(svc), svc.settings.consumer_group
     svc.proxy.cut()
     try:
         wait_for(lambda: ABANDON_LOG in svc.main.log_text(), 30, what="the worker to abandon its jobs")
         wait_for(lambda: svc.stats(svc.main).get("in_flight") == "0", 10, what="the engine to drop them")
-        assert svc.redis.xpending(stream, group)["pending"] == 2  # abandoned, not acknowledged
+        assert _counts(svc)[1] == 2  # abandoned, not acknowledged
         assert set(svc.statuses(ids).values()) == {"running"}  # nothing was written meanwhile
     finally:
         svc.proxy.restore()

@@ -16,7 +16,6 @@ import pytest
 from sqlalchemy import text
 
 from inferq import jobs
-from inferq.contract import stream_key
 from tests.service_behaviour_helpers import ENDLESS, Service
 from tests.service_fixtures import WorkerProcess, assert_ledger_cost, private_redis, wait_for  # noqa: F401
 
@@ -125,8 +124,8 @@ def test_frozen_worker_is_taken_over_and_its_late_result_refused(svc):
     # the old worker holds nothing and keeps serving; the job's message is acknowledged
     wait_for(lambda: svc.stats(first).get("in_flight") == "0", 30, what=f"{first.name} to hold nothing")
     assert first.alive() and second.alive()
-    stream = stream_key(svc.prefix, svc.model, "interactive")
-    wait_for(lambda: svc.redis.xpending(stream, svc.settings.consumer_group)["pending"] == 0, 30,
+    wait_for(lambda: jobs.queue_counts(svc.redis, svc.prefix, svc.model, "interactive",
+                                       svc.settings.consumer_group)[1] == 0, 30,
              what="the job's message acknowledged")
     again, again_ledger = svc.one_result(job_id)  # unchanged after the old worker went on
     assert (again.created_at, again.token_ids, again_ledger.id) == (result.created_at, result.token_ids, ledger.id)

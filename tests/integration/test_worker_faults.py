@@ -211,7 +211,7 @@ def test_end_to_end(svc):
     assert second.prompt_tokens == len(tok.encode("Once upon a time"))
     # acknowledged and deleted: nothing pending, nothing left in the streams
     for tier in ("interactive", "batch"):
-        assert svc.redis.xlen(stream_key(svc.prefix, svc.model, tier)) == 0
+        assert jobs.queue_counts(svc.redis, svc.prefix, svc.model, tier, svc.settings.consumer_group) == (0, 0)
     # Prometheus metrics
     import httpx
 
@@ -259,7 +259,8 @@ def test_cancel_queued_and_running(svc):
     result, ledger = svc.assert_one_result(queued)
     assert ledger.completion_tokens == 0 and ledger.cost_micros == 0 and result.finish_reason == "abort"
     # the cancelled queued job's message is consumed and acknowledged, never run
-    wait_for(lambda: svc.redis.xlen(stream_key(svc.prefix, svc.model, "interactive")) == 0, 30, what="stream drained")
+    wait_for(lambda: jobs.queue_counts(svc.redis, svc.prefix, svc.model, "interactive",
+                                       svc.settings.consumer_group)[0] == 0, 30, what="stream drained")
     assert svc.job(queued).attempts == 0
 
 
@@ -399,7 +400,7 @@ def test_sigterm_hands_back_in_flight_jobs(svc):
     for jid in back:
         assert svc.rows(jid) == ([], [])
         assert svc.job(jid).worker is None
-    queued_msgs = svc.redis.xrange(stream_key(svc.prefix, svc.model, "interactive"))
+    queued_msgs = jobs.queued_entries(svc.redis, svc.prefix, svc.model, "interactive")
     assert {msgpack.unpackb(f[b"m"])["job_id"] for _, f in queued_msgs} >= set(back)
     assert "handed jobs back to the queue" in svc.main.log_text()
 
@@ -455,10 +456,8 @@ def test_unstorable_result_fails_only_that_job(pg_url, private_redis, tiny_model
         assert "could not store the result" in job.error and f"poisoned row of {bad_all}" in job.error
         assert job.attempts == 1 and svc2.rows(bad_all)[0] == []
         # acknowledged (and deleted), and the stream readers were told
-        stream = stream_key(svc2.prefix, svc2.model, "interactive")
-        wait_for(lambda: svc2.redis.xpending(stream, svc2.settings.consumer_group)["pending"] == 0, 10,
-                 what="no pending messages")
-        assert svc2.redis.xlen(stream) == 0
+        wait_for(lambda: jobs.queue_counts(svc2.redis, svc2.prefix, svc2.model, "interactive",
+                                           svc2.settings.consumer_group) == (0, 0), 10, what="no pending messages")
         for jid in (bad_text, bad_all):
             last = svc2.redis.xrevrange(events_key(svc2.prefix, jid), count=1)
             assert json.loads(last[0][1][b"data"])["status"] == "failed"

@@ -165,6 +165,53 @@ def test_scheduler_admits_the_light_tenant_within_a_few_steps(tier):
     assert run(fair=False) > 50  # behind the whole backlog otherwise
 
 
+@pytest.mark.parametrize("tier", list(Tier))
+def test_a_tenant_without_seats_takes_one_from_the_tenant_holding_them_all(tier):
+    """Every seat is held by a heavy tenant's long decodes: a light tenant's request is admitted the next
+    step, preempting the heavy tenant's latest request; seat claims stop once the two hold equal shares (and
+    the preempted tenant cannot claim back: no ping-pong), and without fair share nothing is preempted."""
+    def run(fair: bool) -> tuple[Scheduler, list[Request], list[int]]:
+        s = make(fair, max_num_seqs=4)
+        heavy = [req("heavy", n_prompt=20, max_tokens=500, tier=tier) for _ in range(8)]
+        for r in heavy:
+            s.add_request(r)
+        for _ in range(3):
+            step(s)
+        assert [r.tenant for r in s.running] == ["heavy"] * 4
+        when = []
+        for _ in range(2):
+            light = req("light", n_prompt=20, max_tokens=500, tier=tier)
+            s.add_request(light)
+            when.append(first_admission_step(s, light, limit=30))
+        s.add_request(req("light", n_prompt=20, max_tokens=500, tier=tier))  # a third waits: 2 + 2 is fair
+        return s, heavy, when
+
+    s, heavy, when = run(fair=True)
+    assert when == [0, 0]  # each is admitted at once
+    assert Counter(r.tenant for r in s.running) == {"heavy": 2, "light": 2}
+    assert s.num_preemptions == 2 and heavy[3].num_preemptions == heavy[2].num_preemptions == 1  # latest first
+    for _ in range(20):  # 2 + 2: no further claim either way
+        step(s)
+    assert s.num_preemptions == 2 and Counter(r.tenant for r in s.running) == {"heavy": 2, "light": 2}
+
+    with pytest.raises(AssertionError, match="never admitted"):
+        run(fair=False)  # the seats stay with the heavy tenant's long decodes
+
+
+def test_seat_claims_follow_the_weights():
+    """A tenant of weight 3 holds 3 seats to a weight-1 tenant's 1 once both want more than their share."""
+    s = make(max_num_seqs=4)
+    for _ in range(6):
+        s.add_request(req("a", n_prompt=20, max_tokens=500))
+    for _ in range(3):
+        step(s)
+    for _ in range(6):
+        s.add_request(req("b", n_prompt=20, max_tokens=500, weight=3.0))
+    for _ in range(10):
+        step(s)
+    assert Counter(r.tenant for r in s.running) == {"a": 1, "b": 3}
+
+
 def test_scheduler_keeps_interactive_before_batch_and_priority_within_a_tenant():
     s = make(max_num_seqs=1, fair_share_quantum=5)  # a turn admits one 5-token request
     batch = req("a", n_prompt=4, max_tokens=1, tier=Tier.BATCH, priority=100)

@@ -1,6 +1,6 @@
 """The Kubernetes manifests (deploy/k8s): every built-in object is valid against the Kubernetes API schema
 (``kubernetes-validate``, offline, strict: an unknown field fails), and the parts no schema can judge match
-the service: the KEDA ScaledObject watches the streams and consumer group the worker really reads, scales
+the service: the KEDA ScaledObject scales on the backlog metric the workers really export, scales
 the worker Deployment, and the worker's termination grace period covers its drain on SIGTERM."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inferq.contract import TIERS, model_id, stream_key
+from inferq.contract import model_id
 from inferq.settings import Settings
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -44,18 +44,25 @@ def test_every_inferq_command_and_setting_exists():
     assert commands == {"api", "worker", "celery-worker", "migrate"}
 
 
-def test_scaledobject_watches_the_workers_streams():
-    settings = Settings()
+def test_scaledobject_scales_on_the_backlog_the_workers_export():
+    """The query's metric and model label are the ones a worker of the configured model exports."""
+    from prometheus_client import generate_latest
+
+    from worker.metrics import WorkerMetrics
+
     config = _by_kind("ConfigMap")[0]["data"]
     (scaled,) = _by_kind("ScaledObject")
     workers = [d for d in _by_kind("Deployment") if d["metadata"]["name"] == scaled["spec"]["scaleTargetRef"]["name"]]
     assert workers and workers[0]["spec"]["template"]["spec"]["containers"][0]["args"][0] == "worker"
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+    query = trigger["metadata"]["query"]
     model = model_id(config["INFERQ_MODEL"])
-    expected = {stream_key(settings.stream_prefix, model, tier) for tier in TIERS}
-    triggers = scaled["spec"]["triggers"]
-    assert {t["metadata"]["stream"] for t in triggers} == expected  # every tier, exactly as the worker names them
-    assert all(t["type"] == "redis-streams" and t["metadata"]["consumerGroup"] == settings.consumer_group
-               for t in triggers)
+    assert f'inferq_queue_depth{{model="{model}"}}' in query
+    metrics = WorkerMetrics(model=model)
+    metrics.queue_depth.labels("inferq:jobs:x:interactive").set(3)
+    exported = generate_latest(metrics.registry).decode()
+    assert f'inferq_queue_depth{{model="{model}",stream="inferq:jobs:x:interactive"}} 3.0' in exported
     assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
 
 
