@@ -251,9 +251,11 @@ def _readiness(state: AppState) -> JSONResponse:
 def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:
     """What pydantic cannot say about JobCreate (so generated clients and schemathesis know it): exactly
     one of prompt, messages, prompt_ids (a oneOf), and no NUL characters in stored text. FastAPI's stock
-    422 is dropped where a route answers its own way (OpenAI-shaped routes answer 400)."""
+    422 is dropped where a route answers its own way (OpenAI-shaped routes answer 400), and optional
+    headers are not nullable."""
     schemas = spec.get("components", {}).get("schemas", {})
     _drop_stock_validation_errors(spec)
+    _headers_not_nullable(spec)
     job = schemas.get("JobCreate")
     if job is not None:
         props = job.get("properties", {})
@@ -279,6 +281,19 @@ def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:
              "properties": {"prompt_ids": {"type": "array"}}},
         ]
     return spec
+
+
+def _headers_not_nullable(spec: dict[str, Any]) -> None:
+    """An optional header (``str | None``) is documented by FastAPI as "string or null", but a header is
+    text or absent: a client that took the null at its word would send the text ``null``."""
+    for operations in spec.get("paths", {}).values():
+        for op in operations.values():
+            for param in op.get("parameters", []) if isinstance(op, dict) else []:
+                schema = param.get("schema", {})
+                alts = [a for a in schema.get("anyOf", []) if a.get("type") != "null"]
+                if param.get("in") == "header" and len(alts) == 1 and len(schema["anyOf"]) == 2:
+                    rest = {k: v for k, v in schema.items() if k != "anyOf"}
+                    param["schema"] = {**alts[0], **rest}
 
 
 def _drop_stock_validation_errors(spec: dict[str, Any]) -> None:

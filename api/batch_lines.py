@@ -31,6 +31,8 @@ def check_line(number: int, raw: bytes) -> tuple[str, str] | None:
         obj = json.loads(raw)
     except ValueError as exc:
         raise LineError(number, f"not valid JSON ({exc})") from None
+    except RecursionError:  # about a thousand "[" in a line: the parser's own limit, not a server fault
+        raise LineError(number, "JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise LineError(number, "must be a JSON object with custom_id, method, url and body")
     custom_id = obj.get("custom_id")

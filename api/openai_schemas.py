@@ -3,7 +3,11 @@
 Why a mapping and not a second path: every chat or completion request becomes a job row like any other,
 so quotas, tiers, the ledger, cost reports and tenant isolation apply unchanged. Unknown fields are ignored
 (as OpenAI does); known fields inferq cannot honour (n > 1, logprobs, a JSON response format, penalties)
-are a clear 400 naming the field rather than a silently different answer.
+are a clear 400 naming the field rather than a silently different answer. Known fields are strict, as
+OpenAI's are and as ``JobCreate`` is: ``"8"`` is not the integer 8, ``"yes"`` not ``true``.
+
+``request_body`` publishes what these checks accept as the routes' OpenAPI request body (the routes read the
+JSON themselves, to answer in OpenAI's shape), so generated clients and schemathesis know it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from inferq.contract import JobCreate
+from api.validation import NO_NUL_PATTERN
+from inferq.contract import INT64_MAX, Integer, JobCreate
+from inferq.models_registry import MAX_NAME_LENGTH, NAME_PATTERN
 
 DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has no fixed default)
 
@@ -32,47 +38,47 @@ class OpenAIError(Exception):
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str | list[_Part] | None = None
 
 
 class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str = "text"
 
 
 class _Common(BaseModel):
     """Fields shared by both endpoints; ``extra="ignore"``: unknown fields are dropped, as OpenAI does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Integer | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Integer | None = Field(None, ge=0, le=INT64_MAX)
     stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1)
+    n: Integer | None = Field(None, ge=1)
     stream: bool = False
     stream_options: _StreamOptions | None = None
     user: str | None = None
-    logprobs: bool | int | None = None
+    logprobs: bool | Integer | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     service_tier: str | None = None  # "flex" (OpenAI's cheaper, slower processing) runs in the batch tier
     # inferq extensions, as vLLM's OpenAI server accepts them (the client sends them with ``extra_body``)
-    top_k: int | None = Field(None, ge=0)
+    top_k: Integer | None = Field(None, ge=0)
     ignore_eos: bool | None = None
 
     def _check_supported(self) -> None:
@@ -105,8 +111,8 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    max_completion_tokens: Integer | None = Field(None, ge=1)
+    top_logprobs: Integer | None = None
     response_format: _ResponseFormat | None = None
 
     def to_job(self, tier: str | None = None) -> JobCreate:
@@ -122,10 +128,10 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[Integer]
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Integer | None = None
 
     def to_job(self, tier: str | None = None) -> JobCreate:
         self._check_supported()
@@ -169,6 +175,88 @@ def _job(fields: dict[str, Any], tier: str | None) -> JobCreate:
         param = ".".join(str(p) for p in err.get("loc", ())) or None
         raise OpenAIError(400, f"{param}: {err.get('msg', 'invalid')}" if param else str(err.get("msg")),
                           param=param) from None
+
+
+# --- the request bodies in the OpenAPI document --------------------------------------------------------------
+# pydantic's schema says the types; what the converters above (and JobCreate behind them) also refuse is said
+# here, field by field, so that a body valid by the document is one these routes accept
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _text(min_length: int = 0, max_length: int | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string", "pattern": NO_NUL_PATTERN}  # PostgreSQL stores no NUL
+    if min_length:
+        schema["minLength"] = min_length
+    if max_length is not None:
+        schema["maxLength"] = max_length
+    return schema
+
+
+_MAX_TOKENS = _nullable({"type": "integer", "minimum": 1, "maximum": 1_000_000})
+_STOP = _text(min_length=1)
+_COMMON_FIELDS: dict[str, dict[str, Any]] = {
+    "model": _nullable({"type": "string", "pattern": NAME_PATTERN, "maxLength": MAX_NAME_LENGTH}),
+    "max_tokens": _MAX_TOKENS,
+    "seed": _nullable({"type": "integer", "minimum": 0, "maximum": INT64_MAX}),
+    "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": INT64_MAX}),
+    "stop": {"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": 16}, {"type": "null"}]},
+    "n": _nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+    "logprobs": _nullable({"enum": [False, 0]}),
+    "presence_penalty": _nullable({"type": "number", "minimum": 0, "maximum": 0}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": 0, "maximum": 0}),
+    "user": _nullable(_text()),
+}
+_PART = {"type": "object", "required": ["type"],
+         "properties": {"type": {"type": "string", "enum": ["text"]}, "text": _nullable(_text())}}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+    "content": {"anyOf": [_text(), {"type": "array", "items": _PART}, {"type": "null"}]}}}
+_PROMPT_TEXT = _text(min_length=1, max_length=1_000_000)
+_FIELDS: dict[str, dict[str, dict[str, Any]]] = {
+    "ChatCompletionRequest": {
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": _MAX_TOKENS,
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 0}),
+        "response_format": _nullable({"type": "object", "properties": {"type": {"type": "string",
+                                                                                "enum": ["text"]}}}),
+    },
+    "CompletionRequest": {
+        "prompt": {"anyOf": [
+            _PROMPT_TEXT, {"type": "array", "items": _PROMPT_TEXT, "minItems": 1, "maxItems": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}}]},
+        "echo": {"type": "boolean", "enum": [False]},
+        "suffix": _nullable({"type": "string", "maxLength": 0}),
+        "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+    },
+}
+
+
+def request_body(kind: type[_Common]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route that parses ``kind`` itself: pydantic's schema of it, with each
+    field narrowed to what the route accepts (``_COMMON_FIELDS``, ``_FIELDS``)."""
+    schema = kind.model_json_schema()
+    defs = schema.pop("$defs", {})
+    props = schema["properties"]
+    for name, narrowed in {**_COMMON_FIELDS, **_FIELDS[kind.__name__]}.items():
+        props[name] = {**narrowed, **{k: v for k, v in props[name].items() if k in ("title", "default")}}
+    schema = _inline(schema, defs)
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """``node`` with pydantic's ``#/$defs/...`` references replaced by their schemas (the document has no
+    ``$defs`` of its own)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
 
 
 def parse(model: type[_Common], body: Any) -> _Common:

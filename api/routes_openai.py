@@ -57,14 +57,14 @@ _TierHeader = Annotated[str | None, Header(alias="X-Inferq-Tier", pattern="^(int
 
 
 @router.post("/chat/completions", summary="Chat completion (OpenAI-compatible)", description=_DOC,
-             responses=_RESPONSES)
+             responses=_RESPONSES, openapi_extra={"requestBody": oa.request_body(oa.ChatCompletionRequest)})
 async def chat_completions(request: Request, principal: Principal = Depends(require_key),
                            tier: _TierHeader = None) -> Any:
     return await _complete(request, principal, oa.ChatCompletionRequest, tier)
 
 
 @router.post("/completions", summary="Text completion (OpenAI-compatible)", description=_DOC,
-             responses=_RESPONSES)
+             responses=_RESPONSES, openapi_extra={"requestBody": oa.request_body(oa.CompletionRequest)})
 async def completions(request: Request, principal: Principal = Depends(require_key), tier: _TierHeader = None) -> Any:
     return await _complete(request, principal, oa.CompletionRequest, tier)
 
@@ -268,8 +268,12 @@ def _parse_sse(chunk: str) -> tuple[str | None, dict[str, Any] | None]:
 
 
 async def _json_body(request: Request) -> Any:
+    """The body's JSON; a 400 for anything else, including JSON nested past Python's recursion limit (about a
+    thousand ``[``, far within the body limit), which the parser raises as ``RecursionError``."""
     raw = await request.body()
     try:
         return json.loads(raw) if raw else None
     except ValueError as exc:
         raise oa.OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise oa.OpenAIError(400, "the request body is JSON nested too deeply") from None

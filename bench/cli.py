@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api", "spec", "fairness")
+API_MODES = ("submit", "openai", "batch")
 
 
 def _csv(value: str | None) -> tuple[str, ...] | None:
@@ -32,6 +33,11 @@ def bench(
                                              "static policy only against continuous.")] = "",
     rates: Annotated[str | None, typer.Option(help="tiers: comma-separated arrival rates (req/s).")] = None,
     duration: Annotated[float | None, typer.Option(help="tiers/api: seconds of load per rate.")] = None,
+    modes: Annotated[str | None, typer.Option(help="api: comma-separated subset of submit (POST /v1/jobs "
+                                                   "submissions/s, no worker), openai (/v1/chat/completions vs "
+                                                   "/v1/jobs), batch (Batch API vs one by one, interactive TTFT "
+                                                   "meanwhile); default all three.")] = None,
+    batch_lines: Annotated[int | None, typer.Option(help="api: lines of the Batch API run (default 10000).")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option(help="KV-cache budget, e.g. 2GiB.")] = None,
     max_prompt: Annotated[int | None, typer.Option(help="Longest prompt (tokens).")] = None,
     max_output: Annotated[int | None, typer.Option(help="Longest output (tokens).")] = None,
@@ -156,12 +162,32 @@ def bench(
             kw.update(light_requests=requests or 3, max_tokens=max_output or 8, max_num_seqs=4)
         fairness.run(model, seed=seed, **kw)
     elif name == "api":
-        from bench import api_load
-
-        if duration:
-            kw["duration"] = duration
-        if quick:
-            kw["quick"] = True
-        api_load.run(**kw)
+        _api(kw, modes=_csv(modes) or API_MODES, model=model, dtype=dtypes, duration=duration, requests=requests,
+             repeats=repeats, batch_lines=batch_lines, quick=quick)
     else:
         raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of {', '.join(NAMES)}")
+
+
+def _api(kw: dict, *, modes: tuple[str, ...], model: str | None, dtype: tuple[str, ...] | None,
+         duration: float | None, requests: int | None, repeats: int, batch_lines: int | None, quick: bool) -> None:
+    """``api``: the submission rate (bench/api_load.py, results ``api``) and the OpenAI layer and Batch API
+    (bench/api_openai.py, results ``api-openai``), each part only if asked for in ``modes``."""
+    from bench import api_load, api_openai
+
+    unknown = set(modes) - set(API_MODES)
+    if unknown:
+        raise typer.BadParameter(f"unknown api modes {sorted(unknown)}; known: {', '.join(API_MODES)}")
+    if "submit" in modes:
+        api_load.run(**kw, **({"duration": duration} if duration else {}), quick=quick)
+    rest = tuple(m for m in modes if m != "submit")
+    if rest:
+        opts: dict = {"out": kw.get("out"), "tag": f"{kw.get('tag', 'api')}-openai", "quick": quick, "modes": rest}
+        if dtype:
+            opts["dtype"] = dtype[0]
+        if requests:
+            opts["requests"] = requests
+        if repeats > 1:
+            opts["repeats"] = repeats
+        if batch_lines:
+            opts["batch_lines"] = batch_lines
+        api_openai.run(model, **opts)

@@ -137,11 +137,15 @@ class Stack:
         import httpx
 
         deadline = time.monotonic() + timeout
+        if not self.with_worker:
+            self._announce_model()
+        # without a worker the API is up but never ready (/readyz wants a worker serving a model): /healthz then
+        probe = "/readyz" if self.with_worker else "/healthz"
         with httpx.Client(base_url=self.url, timeout=10) as c:
             while True:
                 self._check_alive()
                 try:
-                    if c.get("/readyz").status_code == 200:
+                    if c.get(probe).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -165,6 +169,19 @@ class Stack:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the worker did not finish a warm-up job")
                 time.sleep(0.2)
+
+    def _announce_model(self) -> None:
+        """Make the model known with no worker (as ``inferq up`` does), so that jobs for it are accepted."""
+        import redis
+
+        from inferq.contract import model_id
+        from inferq.models_registry import announce
+
+        client = redis.Redis.from_url(self.base.redis_url)
+        try:
+            announce(client, self.prefix, model_id(self.model))
+        finally:
+            client.close()
 
     @property
     def headers(self) -> dict:

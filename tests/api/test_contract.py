@@ -143,3 +143,22 @@ def test_contract_imports_no_torch():
     code = "import sys, inferq.contract; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_integral_numbers_are_integers_and_nothing_else_is():
+    """The OpenAPI document says ``integer``, which JSON Schema (hence schemathesis) fills with ``8.0`` too: such
+    a number is taken as 8 (it was a 422 that schemathesis reported as "schema-valid request rejected").
+    Strings, booleans and fractions stay refused."""
+    from pydantic import ValidationError
+
+    body = JobCreate(prompt_ids=[1.0, 2], max_tokens=8.0, seed=3.0, top_k=0.0, priority=-1.0, stop_token_ids=[7.0])
+    assert body.request_params() == {"prompt_ids": [1, 2], "max_tokens": 8, "seed": 3, "top_k": 0,
+                                     "stop_token_ids": [7], "temperature": 1.0, "top_p": 1.0, "stop": [],
+                                     "ignore_eos": False}
+    assert all(type(v) is int for v in (body.max_tokens, body.seed, body.priority, *body.prompt_ids))
+    for bad in ({"max_tokens": 8.5}, {"max_tokens": "8"}, {"max_tokens": True}, {"seed": float("inf")},
+                {"seed": 2.0**63}, {"stop_token_ids": [1.5]}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            JobCreate(**{"prompt": "hi", **bad})
+    with pytest.raises(ValidationError, match="prompt_ids"):
+        JobCreate(prompt_ids=[1.5])

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from sqlalchemy import select
 
+from api import openai_schemas as oa
 from inferq.contract import model_id
 from inferq.db import Job
 from tests.api.test_e2e import _cost, inferq_worker, model_settings  # noqa: F401 - fixtures
@@ -180,3 +183,70 @@ def test_models_list_and_retrieve(stack, model_settings, make_tenant):  # noqa: 
     anonymous = openai.OpenAI(base_url=f"{url}/v1", api_key="iq_wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.models.list()
+
+
+# --- what is refused before any job exists (no worker needed) -------------------------------------------------
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # 200 KB, within the body limit; past the JSON parser's recursion limit
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_malformed_or_mistyped_bodies_are_400_not_500(serve, settings, redis_client, make_tenant, db, path):
+    """Regression (found by the schemathesis run's neighbourhood): JSON nested past the parser's recursion
+    limit raised ``RecursionError``, answered 500. Mistyped fields are 400 too: the fields are strict, as
+    OpenAI's are (``"8"`` is not 8, ``"yes"`` not true). Nothing reaches the job table."""
+    url = serve(settings)
+    t = make_tenant()
+    prompt = {"messages": CHAT} if path == "/v1/chat/completions" else {"prompt": "Hi"}
+    bodies = [(DEEP, None), (b'{"messages": ' + DEEP + b', "prompt": ' + DEEP + b"}", None),
+              (json.dumps({**prompt, "max_tokens": "8"}).encode(), "max_tokens"),
+              (json.dumps({**prompt, "stream": "yes"}).encode(), "stream"),
+              (json.dumps({**prompt, "seed": 1.5}).encode(), "seed")]
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for body, param in bodies:
+            r = c.post(path, content=body, headers={**t.headers, "Content-Type": "application/json"})
+            assert r.status_code == 400, (body[:80], r.status_code, r.text[:300])
+            assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+    with db() as s:
+        assert s.scalar(select(Job).where(Job.tenant_id == t.tenant_id)) is None
+
+
+@pytest.mark.parametrize(("kind", "body", "accepted"), [
+    (oa.CompletionRequest, {"prompt": "Hi", "max_tokens": 8.0, "seed": 3.0, "logprobs": 0.0}, True),
+    (oa.CompletionRequest, {"prompt": [1, 2.0, 3]}, True),
+    (oa.CompletionRequest, {"prompt": ["one"], "echo": False, "suffix": "", "best_of": 1}, True),
+    (oa.CompletionRequest, {"prompt": "Hi", "max_tokens": 8.5}, False),
+    (oa.CompletionRequest, {"prompt": "Hi", "max_tokens": "8"}, False),
+    (oa.CompletionRequest, {"prompt": ["a", "b"]}, False),
+    (oa.CompletionRequest, {"prompt": [""]}, False),
+    (oa.CompletionRequest, {"prompt": []}, False),
+    (oa.CompletionRequest, {"prompt": "Hi", "stop": ""}, False),
+    (oa.CompletionRequest, {"prompt": "Hi", "suffix": "x"}, False),
+    (oa.CompletionRequest, {"prompt": "Hi\u0000"}, False),
+    (oa.CompletionRequest, {"prompt": "Hi", "max_tokens": 2_000_000}, False),
+    (oa.ChatCompletionRequest, {"messages": CHAT, "n": 1, "logprobs": False, "top_logprobs": 0,
+                                "presence_penalty": 0.0, "response_format": {"type": "text"}, "user": "u"}, True),
+    (oa.ChatCompletionRequest, {"messages": [{"role": "developer", "content": [{"type": "text", "text": "x"}]},
+                                             {"role": "user", "content": None}]}, True),
+    (oa.ChatCompletionRequest, {"messages": CHAT, "n": 2}, False),
+    (oa.ChatCompletionRequest, {"messages": CHAT, "logprobs": True}, False),
+    (oa.ChatCompletionRequest, {"messages": CHAT, "top_logprobs": 2}, False),
+    (oa.ChatCompletionRequest, {"messages": CHAT, "frequency_penalty": 0.1}, False),
+    (oa.ChatCompletionRequest, {"messages": CHAT, "response_format": {"type": "json_object"}}, False),
+    (oa.ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, False),
+    (oa.ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, False),
+    (oa.ChatCompletionRequest, {"messages": CHAT, "user": "\u0000"}, False),
+    (oa.ChatCompletionRequest, {"messages": []}, False),
+])
+def test_the_published_request_body_says_what_the_route_accepts(kind, body, accepted):
+    """The OpenAPI request body (``oa.request_body``, what schemathesis generates from) and the route's own
+    checks agree: a body is valid by the document exactly when the route makes a job of it. (The model name is
+    checked later, on submission: the document's pattern is the same rule, and an unserved model is a 404.)"""
+    schema = oa.request_body(kind)["content"]["application/json"]["schema"]
+    valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+    try:
+        oa.parse(kind, body).to_job()
+        made = True
+    except oa.OpenAIError:
+        made = False
+    assert (valid, made) == (accepted, accepted)

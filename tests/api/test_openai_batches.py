@@ -204,6 +204,9 @@ BAD_LINES = [
     (json.dumps(_request("x", n=2)) + "\n", 2, "n > 1 is not supported"),
     (json.dumps(_request("x", stream=True)) + "\n", 2, "stream is not supported"),
     (json.dumps({"custom_id": "", "method": "POST", "url": COMPLETIONS, "body": {}}) + "\n", 2, "custom_id"),
+    (json.dumps(_request("x", max_tokens="8")) + "\n", 2, "max_tokens: Input should be a valid integer"),
+    # regression: past the JSON parser's recursion limit the upload was a 500 (RecursionError)
+    ("[" * 100_000 + "]" * 100_000 + "\n", 2, "JSON nested too deeply"),
 ]
 
 

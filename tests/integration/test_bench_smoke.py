@@ -170,6 +170,45 @@ def test_tiers_smoke(tiny, tmp_path):
         assert r["interactive"]["requests"] + r["batch"]["requests"] == r["requests"]
 
 
+@pytest.mark.timeout(300)
+def test_api_openai_and_batch_smoke(tiny, tmp_path):
+    """``python -m bench api``'s OpenAI parts on the tiny model: every request of both routes answered with
+    exactly its tokens (``ignore_eos``), the routes alternated, the batch's output file holding every
+    ``custom_id`` exactly once, the same lines one by one all answered, and the interactive stream measured in
+    all three phases."""
+    if down := _services_down():
+        pytest.fail(f"{', '.join(down)} not reachable; start them with `bash scripts/services.sh`", pytrace=False)
+    from bench import api_openai
+
+    api_openai.run(str(tiny), requests=6, concurrency=3, repeats=2, max_tokens=3, batch_lines=25,
+                   batch_max_tokens=2, batch_concurrency=5, light_interval=0.3, kv_cache_memory="8MiB",
+                   out=tmp_path, tag="api-openai", log=_quiet)
+    data = _outputs(tmp_path, "api-openai")
+    r = data["routes"]
+    assert [(x["route"], x["repeat"]) for x in r["rows"]] == [("chat", 0), ("jobs", 0), ("jobs", 1), ("chat", 1)]
+    for row in r["rows"]:
+        assert row["errors"] == {} and row["answered"] == row["requests"] == 6, row
+        assert row["completion_tokens"] == 6 * 3, row
+        assert row["rate"] == pytest.approx(6 / row["wall_s"]) and 0 < row["p50_ms"] <= row["p95_ms"]
+    rates = {route: [x["rate"] for x in r["rows"] if x["route"] == route] for route in ("chat", "jobs")}
+    assert r["chat_over_jobs"] == pytest.approx((sum(rates["chat"]) / 2) / (sum(rates["jobs"]) / 2))
+    assert r["overhead"] == pytest.approx(1 - r["chat_over_jobs"])
+    b = data["batch"]
+    batch, single = b["batch_api"], b["one_by_one"]
+    assert batch["status"] == "completed" and batch["custom_ids_once"], batch
+    assert batch["request_counts"] == {"total": 25, "completed": 25, "failed": 0}
+    assert batch["output_lines"] == 25 and batch["error_file_id"] is None
+    assert batch["completion_tokens"] == 25 * 2 and 0 <= batch["cached_prompt_tokens"] < batch["prompt_tokens"]
+    assert batch["upload_s"] <= batch["created_s"] <= batch["ended_s"] <= batch["total_s"]
+    assert single["errors"] == {} and single["answered"] == 25 and single["completion_tokens"] == 25 * 2
+    assert b["one_by_one_over_batch_time"] == pytest.approx(single["wall_s"] / batch["total_s"])
+    for phase in ("idle", "during_batch_api", "during_one_by_one"):
+        light = b["interactive"][phase]
+        assert light["requests"] >= 1 and light["finished"] == light["requests"] and light["errors"] == 0, light
+        assert 0 < light["ttft_p50_ms"] <= light["ttft_p95_ms"], light
+    assert [t["met"] for t in data["targets"] if "exactly once" in t["target"]] == [True]
+
+
 def test_cli_rejects_unknown_benchmark():
     import typer
 
@@ -177,6 +216,8 @@ def test_cli_rejects_unknown_benchmark():
 
     with pytest.raises(typer.BadParameter):
         bench("nope")
+    with pytest.raises(typer.BadParameter, match="unknown api modes"):
+        bench("api", modes="submit,nope")
 
 
 def test_llama_cpp_reports_why_it_is_skipped(monkeypatch):
