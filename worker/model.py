@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from inferq.log import get_logger
-from kernels import hugepages, packed_gemm
+from kernels import cpu_norm, hugepages, packed_gemm
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 from worker.model_config import (
     SUPPORTED_ARCHITECTURES,
@@ -157,6 +157,9 @@ class CausalLM:
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope_cache(min(c.max_model_len, 8192))
         self._fast_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
+        # float32 on CPU: one C call per norm, RoPE and SwiGLU (kernels/cpu_norm.py), a few us instead of
+        # torch's chains of small ops
+        self.use_c_ops(True)
         self._contiguous_qkv = device.type != "cpu"
 
     @classmethod
@@ -185,6 +188,11 @@ class CausalLM:
                 "float32 (use --dtype float32)", dtype=str(dt).removeprefix("torch."))
         return cls(config, tensors, dtype=dt, device=dev, where=str(model_dir))
 
+    def use_c_ops(self, on: bool) -> None:
+        """Run RMSNorm, RoPE and SwiGLU as C calls (float32 on CPU where the library builds; the default) or as
+        torch ops (what a machine without a C compiler runs; tests compare both)."""
+        self._c_ops = cpu_norm.load() if on and self.device.type == "cpu" and self.dtype == torch.float32 else None
+
     # -- helpers ---------------------------------------------------------------------------------------
 
     def _build_rope_cache(self, length: int) -> None:
@@ -206,6 +214,9 @@ class CausalLM:
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if (self._c_ops is not None and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+                and weight.dtype == torch.float32):
+            return cpu_norm.rms_norm(x, weight, self.config.rms_norm_eps, self._c_ops)
         if self._fast_norm:
             return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
         xf = x.float()
@@ -256,6 +267,8 @@ class CausalLM:
         if max_position is None:
             max_position = int(positions.max()) if t else 0
         cos, sin = self._rope(positions, max_position)
+        c_ops = self._c_ops if self._complex_rope else None  # float32 on CPU: RoPE and SwiGLU in C too
+        rot = torch.view_as_real(cos) if c_ops is not None else None  # [T, D/2, (cos, sin)]
         cos = cos[:, None, :]  # complex rotation [T, 1, D/2] on the complex path
         sin = sin[:, None, :]
         half = d // 2
@@ -267,7 +280,10 @@ class CausalLM:
         h = self._norm(x, self.layers[0].input_norm) if self.layers else x
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
-            if complex_rope:  # interleaved pairs (worker/weights.py): RoPE on q and k as one complex multiply
+            if c_ops is not None and qkv.stride(-1) == 1:
+                cpu_norm.rope_interleaved_(qkv, qk_heads, rot, c_ops)
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, d)
+            elif complex_rope:  # interleaved pairs (worker/weights.py): RoPE on q and k as one complex multiply
                 qk = torch.view_as_complex(qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, half, 2))
                 qk = torch.view_as_real(qk * cos).view(t, qk_heads, d)
             else:
@@ -288,7 +304,10 @@ class CausalLM:
             h = self._norm(residual, layer.post_norm)
             gu = layer.gate_up(h, contiguous=False)  # SiLU-mul and the down GEMM take any strides
             inter = gu.shape[-1] // 2
-            act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])  # SwiGLU in place (a strided view)
+            if c_ops is not None and gu.stride(-1) == 1:
+                act = cpu_norm.silu_mul_(gu, c_ops)
+            else:
+                act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])  # SwiGLU in place (a strided view)
             layer.down.add_to(residual, act)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             if nxt is not None:

@@ -95,7 +95,8 @@ def prompts_for(vocab, lengths, seed=0):
 
 
 # Both CPU attention paths: "cpu" (the C kernels, on x86 every shape here) and "torch" (the portable path a
-# machine without a C compiler runs, otherwise never exercised on x86).
+# machine without a C compiler runs, otherwise never exercised on x86; there the model's C norms, RoPE and
+# SwiGLU are turned off too).
 ATTENTION = ["cpu", "torch"]
 
 
@@ -107,6 +108,7 @@ def test_prefill_and_decode_logits_match_hf(tiny_dirs, arch, attention):
     path = tiny_dirs[arch]
     runner = make_runner(path, attention_backend=attention)
     assert runner.backend.name == attention
+    runner.model.use_c_ops(attention != "torch")  # the portable run: the model's norms, RoPE, SwiGLU in torch too
     pool = BlockPool(runner.num_blocks, seed=1)
     lengths = [1, 4, 7, 13]  # includes a one-token prompt and block-boundary lengths
     reqs = [

@@ -1,0 +1,339 @@
+"""Single-stream decode (issue 21): one request's time per output token, where a small batch's step goes, and
+how close it comes to this machine's memory bandwidth.
+
+``python -m bench latency [--engines inferq,llama-cpp] [--dtype float32,bfloat16] [--quick]``
+
+1. **Read bandwidth** of this machine, measured here (a float32 buffer larger than any cache summed with every
+   torch thread, best of several passes): the floor of a decode step is its bytes over this.
+2. **Step breakdown** at batch 1, 2 and 4 (decode steps after a short prompt, ``ignore_eos``): per step, each
+   projection kind (qkv, o, gate_up, down, summed over layers, and the LM head), attention (KV write + kernel),
+   the rest of the forward (embedding, norms, RoPE, SwiGLU), sampling, the scheduler, input preparation and
+   the engine's Python around them (postprocess, detokenisation, bookkeeping). Timers wrap each part, so the
+   parts add up to the step; the wrappers cost about a microsecond per call. Achieved GB/s = the bytes a
+   step must read (every weight once, plus the KV it attends over) / step time.
+3. **Single stream**, side by side in this process: real-text chat prompts (repeat a paragraph of the
+   project's LICENSE, summarise it, list its terms), greedy, EOS honoured, one request at a time; output
+   tok/s (decode: tokens after the first over the time after the first), TPOT p50/p95 and TTFT per engine.
+   llama.cpp's ``llama-server`` (``-np 1``, same threads, a GGUF converted from the same weights) is run when
+   it has been built (``python -m bench.peers.llama_cpp build``); its TPOT is the server's own
+   ``predicted_per_token_ms``, its TTFT the server's ``prompt_ms``.
+
+Targets (issue 21): inferq >= 1.0x llama.cpp at the same dtype; >= 85% of the measured bandwidth at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench import common
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+BATCHES = (1, 2, 4)
+
+
+# --- bandwidth ---------------------------------------------------------------------------------------------
+
+def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
+    """Best streaming read rate in GB/s: ``torch.sum`` over a ``mib`` MiB float32 buffer, all torch threads."""
+    import torch
+
+    buf = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB of float32
+    buf.sum()  # first touch and warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
+
+
+# --- where a step goes ---------------------------------------------------------------------------------------
+
+class StepTimers:
+    """Wall time per part of an engine step, in seconds summed over the steps run while installed."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = defaultdict(float)
+        self._restore: list = []
+
+    def wrap(self, obj, attr: str, key: str) -> None:
+        fn = getattr(obj, attr)
+        t = self.t
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                t[key] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+        self._restore.append((obj, attr, fn))
+
+    @contextmanager
+    def projections(self, names: dict[int, str]):
+        """Time every projection call (``Linear.__call__`` / ``add_to``, patched on the class: a dunder cannot be
+        wrapped per instance) under the name ``names[id(linear)]``."""
+        from kernels.cpu_gemm import Linear
+
+        saved = {attr: getattr(Linear, attr) for attr in ("__call__", "add_to")}
+        depth = [0]  # add_to may call __call__: the outer call counts
+        t = self.t
+        for attr, fn in saved.items():
+            def timed(linear, *a, _fn=fn, **kw):
+                depth[0] += 1
+                t0 = time.perf_counter()
+                try:
+                    return _fn(linear, *a, **kw)
+                finally:
+                    depth[0] -= 1
+                    if depth[0] == 0:
+                        t[names.get(id(linear), "other matmul")] += time.perf_counter() - t0
+            setattr(Linear, attr, timed)
+        try:
+            yield
+        finally:
+            for attr, fn in saved.items():
+                setattr(Linear, attr, fn)
+
+    def unwrap(self) -> None:
+        for obj, attr, fn in reversed(self._restore):
+            setattr(obj, attr, fn)
+        self._restore.clear()
+
+
+def projection_names(model) -> dict[int, str]:
+    names = {id(model.lm_head): "lm_head"}
+    for layer in model.layers:
+        for kind in PROJECTIONS:
+            names[id(getattr(layer, kind))] = kind
+    return names
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes each projection kind reads per step (summed over layers), and the LM head's."""
+    out = {kind: sum(getattr(layer, kind).weight.nbytes for layer in model.layers) for kind in PROJECTIONS}
+    out["lm_head"] = model.lm_head.weight.nbytes
+    return out
+
+
+def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0) -> dict:
+    """ms per decode step of ``batch`` sequences, per part, and the achieved read rate."""
+    import random
+
+    from scheduler.request import Request, SamplingParams
+
+    rng = random.Random(seed)
+    engine = base.new_engine()
+    runner, model = base.runner, base.runner.model
+    for i in range(batch):
+        prompt = [rng.randrange(3, base.info.vocab_size) for _ in range(prompt_len)]
+        engine.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
+                                                                   ignore_eos=True)))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill, untimed
+    for _ in range(4):
+        engine.step()  # warm decode steps
+    timers = StepTimers()
+    timers.wrap(engine, "step", "step")
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(engine.scheduler, "postprocess", "postprocess")
+    timers.wrap(runner, "_prepare", "prepare inputs")
+    timers.wrap(runner.model, "forward", "forward")
+    timers.wrap(runner.backend, "forward", "attention")
+    timers.wrap(runner.backend, "write_kv_cache", "attention")
+    timers.wrap(runner.sampler, "sample", "sampling")
+    context = 0
+    try:
+        with timers.projections(projection_names(model)):
+            for _ in range(steps):
+                context += sum(r.num_tokens for r in engine.scheduler.running)
+                engine.step()
+    finally:
+        timers.unwrap()
+        for rid in list(engine.scheduler.requests):
+            engine.abort(rid)
+    t = {k: v / steps * 1000 for k, v in timers.t.items()}  # ms per step
+    parts = {kind: t.get(kind, 0.0) for kind in (*PROJECTIONS, "lm_head")}
+    parts["attention"] = t.get("attention", 0.0)
+    parts["other forward"] = t["forward"] - sum(parts.values())
+    parts["sampling"] = t.get("sampling", 0.0)
+    parts["schedule"] = t.get("schedule", 0.0)
+    parts["prepare inputs"] = t.get("prepare inputs", 0.0)
+    parts["engine python"] = t["step"] - sum(parts.values())
+    wbytes = weight_bytes(model)
+    cache = runner.kv_caches[0][0]
+    kv_bytes = 2 * len(runner.kv_caches) * (context / steps) * cache.shape[2] * cache.shape[3] * cache.element_size()
+    step_bytes = sum(wbytes.values()) + kv_bytes
+    return {"batch": batch, "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes,
+            "kv_bytes_per_step": kv_bytes, "bytes_per_step": step_bytes, "achieved_gbs": step_bytes / t["step"] / 1e6,
+            "projection_gbs": {kind: wbytes[kind] / parts[kind] / 1e6 for kind in wbytes if parts[kind] > 0}}
+
+
+# --- one request at a time -------------------------------------------------------------------------------------
+
+def prompts() -> list[list[dict]]:
+    """Three chat requests over a paragraph of the project's LICENSE (real text, a fixed set)."""
+    text = (Path(__file__).resolve().parents[1] / "LICENSE").read_text()
+    para = " ".join(" ".join(text.split("\n\n")[3:10]).split())[:900]  # the definitions
+    asks = ("Repeat the following paragraph exactly:", "Summarise the following paragraph in two sentences:",
+            "List the terms defined in the following paragraph:")
+    return [[{"role": "user", "content": f"{ask}\n\n{para}"}] for ask in asks]
+
+
+def inferq_stream(base, chats: list[list[dict]], max_tokens: int) -> dict:
+    """Each chat alone on the engine; per-token times from the engine's outputs."""
+    from scheduler.request import Request, SamplingParams
+
+    engine = base.new_engine()
+    ttft, tpot, outs = [], [], []
+    decode_tokens, decode_time = 0, 0.0
+    for k, chat in enumerate(chats):
+        ids = engine.encode(messages=chat)
+        t0 = time.perf_counter()
+        engine.add_request(Request(f"s{k}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+        stamps, tokens = [], []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids:
+                    stamps.append(time.perf_counter())
+                    tokens += out.new_token_ids
+        ttft.append(stamps[0] - t0)
+        tpot += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        decode_tokens += len(stamps) - 1
+        decode_time += stamps[-1] - stamps[0]
+        outs.append(tokens)
+    return _stream_row("inferq", ttft, tpot, decode_tokens, decode_time, outs)
+
+
+def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, encode, log) -> dict:
+    """The same chats through ``llama-server`` (one slot, the machine's cores), token-id prompts."""
+    from bench.peers.llama_cpp import LlamaServer
+
+    server = LlamaServer(model_dir, dtype, parallel=1, threads=os.cpu_count() or 2, ctx_per_slot=2048, log=log)
+    try:
+        ttft, tpot, outs = [], [], []
+        decode_tokens, decode_time = 0, 0.0
+        for chat in chats:
+            r = server.client.post("/completion", json={"prompt": encode(chat), "n_predict": max_tokens,
+                                                        "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                                                        "return_tokens": True, "samplers": ["top_k"]})
+            r.raise_for_status()
+            body = r.json()
+            timings = body["timings"]
+            n = int(timings["predicted_n"])
+            ttft.append(timings["prompt_ms"] / 1000)
+            tpot += [timings["predicted_per_token_ms"] / 1000] * max(0, n - 1)
+            decode_tokens += max(0, n - 1)
+            decode_time += timings["predicted_ms"] / 1000 * max(0, n - 1) / max(1, n)
+            outs.append(list(body.get("tokens") or []))
+    finally:
+        server.close()
+    return _stream_row("llama-cpp", ttft, tpot, decode_tokens, decode_time, outs)
+
+
+def _stream_row(engine: str, ttft, tpot, decode_tokens, decode_time, outs) -> dict:
+    return {"engine": engine, "requests": len(ttft), "output_tokens": sum(map(len, outs)),
+            "decode_tok_s": decode_tokens / decode_time if decode_time else None,
+            "tpot_p50_ms": (common.percentile(tpot, 50) or 0) * 1000,
+            "tpot_p95_ms": (common.percentile(tpot, 95) or 0) * 1000,
+            "ttft_p50_ms": (common.percentile(ttft, 50) or 0) * 1000, "outputs": outs}
+
+
+# --- the run -----------------------------------------------------------------------------------------------------
+
+def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), engines: tuple[str, ...] = ("inferq",),
+        max_tokens: int = 128, steps: int = 64, quick: bool = False, out: str | Path | None = None,
+        tag: str = "latency", log=print) -> dict:
+    from bench.engines import InferqOffline
+
+    if quick:
+        max_tokens, steps = 8, 6
+    model_dir = common.resolve_model_dir(model)
+    info = common.machine_info(list(dtypes))
+    log(common.machine_line(info))
+    t_start = time.perf_counter()
+    bandwidth = read_bandwidth(256 if quick else 1024, 3 if quick else 7)
+    log(f"read bandwidth: {bandwidth:.1f} GB/s")
+    result: dict = {"benchmark": "latency", "machine": info, "model": str(model_dir), "read_gbs": bandwidth,
+                    "dtypes": {}, "settings": {"max_tokens": max_tokens, "steps": steps, "engines": list(engines)}}
+    chats = prompts()[:1] if quick else prompts()
+    for dtype in dtypes:
+        base = InferqOffline(model_dir, dtype, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048)
+        rows = [breakdown(base, b, steps=steps) for b in BATCHES]
+        streams = [inferq_stream(base, chats, max_tokens)]
+        if "llama-cpp" in engines:
+            from bench.peers import llama_cpp
+
+            reason = llama_cpp.unavailable_reason()
+            if reason:
+                log(f"llama-cpp skipped: {reason}")
+            else:
+                def encode(chat, _e=base.engine):
+                    return _e.encode(messages=chat)
+                streams.append(llama_stream(model_dir, dtype, chats, max_tokens, encode, log))
+                streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[1]["decode_tok_s"]
+        result["dtypes"][dtype] = {"breakdown": rows, "streams": streams}
+        log(report_dtype(dtype, result["dtypes"][dtype], bandwidth))
+    result["targets"] = _targets(result)
+    result["elapsed_s"] = time.perf_counter() - t_start
+    common.write_json(common.results_dir(out), tag, result)
+    for t in result["targets"]:
+        log(common.target_line(t["target"], "", t["measured"], t["met"]))
+    return result
+
+
+def _targets(result: dict) -> list[dict]:
+    out = []
+    for dtype, d in result["dtypes"].items():
+        b1 = d["breakdown"][0]["achieved_gbs"] / result["read_gbs"]
+        out.append({"target": f"{dtype}: batch-1 step at >= 85% of the measured read bandwidth", "measured": b1,
+                    "met": b1 >= 0.85})
+        ratio = d["streams"][0].get("vs_llama_cpp")
+        if ratio is not None:
+            out.append({"target": f"{dtype}: single-stream decode tok/s >= 1.0x llama.cpp", "measured": ratio,
+                        "met": ratio >= 1.0})
+    return out
+
+
+def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
+    parts = list(d["breakdown"][0]["parts_ms"])
+    rows = [{"part": p, **{f"b{r['batch']}": r["parts_ms"][p] for r in d["breakdown"]}} for p in parts]
+    rows.append({"part": "step", **{f"b{r['batch']}": r["step_ms"] for r in d["breakdown"]}})
+    rows.append({"part": "achieved GB/s", **{f"b{r['batch']}": r["achieved_gbs"] for r in d["breakdown"]}})
+    rows.append({"part": "share of read bandwidth",
+                 **{f"b{r['batch']}": r["achieved_gbs"] / bandwidth for r in d["breakdown"]}})
+    b1 = d["breakdown"][0]
+    proj = ", ".join(f"{k} {v:.1f}" for k, v in b1["projection_gbs"].items())
+    streams = [{k: v for k, v in s.items() if k != "outputs"} for s in d["streams"]]
+    return "\n".join([
+        f"{dtype}: ms per decode step, by part (batch 1, 2, 4); weights {b1['bytes_per_step'] / 1e6:.0f} MB read "
+        f"per step",
+        common.table(rows, [("part", "part"), *[(f"b{b}", f"batch {b}") for b in BATCHES]]),
+        f"batch 1, projections' read rate (GB/s): {proj}",
+        common.table(streams, [("engine", "engine"), ("requests", "requests"), ("output_tokens", "output tokens"),
+                               ("decode_tok_s", "decode tok/s"), ("tpot_p50_ms", "TPOT p50 ms"),
+                               ("tpot_p95_ms", "TPOT p95 ms"), ("ttft_p50_ms", "TTFT p50 ms"),
+                               ("vs_llama_cpp", "vs llama.cpp")])])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--engines", default="inferq")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    run(a.model, dtypes=tuple(a.dtype.split(",")), engines=tuple(a.engines.split(",")), max_tokens=a.max_tokens,
+        quick=a.quick, out=a.out)
+
+
+if __name__ == "__main__":
+    main()

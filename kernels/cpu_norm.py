@@ -1,0 +1,75 @@
+"""Small float32 CPU ops of the model's forward in one C call each: RMSNorm (``csrc/rms_norm.c``), RoPE on
+interleaved pairs (``csrc/rope.c``) and SwiGLU (``csrc/activation.c``), one library built by
+:mod:`kernels.native`.
+
+Why: at decode sizes each of these is a chain of small torch ops (RMSNorm ~10-30 us a call, 61 calls in a step
+of a 30-layer model; RoPE and SwiGLU four or five ops a layer): together about 1.5 ms of a ~22 ms
+one-sequence step of SmolLM2-135M, where one C call takes a few microseconds. Where the library cannot be
+built, :func:`load` returns None and the model keeps its torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels import native
+
+SOURCES = ("rms_norm.c", "rope.c", "activation.c")
+LEVELS = {2: "avx512", 1: "avx2", 0: "scalar"}
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
+    """Build (once per machine) and bind the library; ``defines`` picks a variant (:mod:`kernels.native`:
+    ``{"INFERQ_NO_AVX512": 1}`` the AVX2 build, ``{"INFERQ_NO_AVX2": 1}`` the portable one)."""
+    lib = native.build("cpu_norm", SOURCES, defines)
+    if lib is None:
+        return None
+    lib.rms_norm_f32.argtypes = [_P, _I64, _P, _P, _I64, _I, _I, ctypes.c_float]
+    lib.rope_interleaved_f32.argtypes = [_P, _I64, _P, _I64, _I, _I, _I]
+    lib.silu_mul_f32.argtypes = [_P, _I64, _I, _I]
+    for name in ("rms_norm_f32", "rope_interleaved_f32", "silu_mul_f32"):
+        getattr(lib, name).restype = None
+    lib.vector_width_level.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    return build()
+
+
+def path(lib: ctypes.CDLL | None = None) -> str | None:
+    """Which vector path a library runs ("avx512", "avx2", "scalar"); None without one."""
+    lib = lib or load()
+    return None if lib is None else LEVELS[lib.vector_width_level()]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` as a new contiguous tensor: x float32 ``[T, H]`` with unit
+    stride along H, weight a dense float32 ``[H]``."""
+    lib = lib or load()
+    t, h = x.shape
+    y = torch.empty((t, h), dtype=torch.float32)
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), h, t, h, eps)
+    return y
+
+
+def rope_interleaved_(x: torch.Tensor, heads: int, rot: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
+    """Rotate the first ``heads`` heads of each float32 row of ``x`` (``[T, >= heads * D]``, unit stride along
+    the row) in place; pairs are interleaved, ``rot`` is float32 ``[T, D/2, 2]`` (cos, sin), dense rows."""
+    lib = lib or load()
+    t, half = rot.shape[0], rot.shape[1]
+    lib.rope_interleaved_f32(x.data_ptr(), x.stride(0), rot.data_ptr(), rot.stride(0), t, heads, half)
+
+
+def silu_mul_(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """SwiGLU in place on float32 rows ``[T, 2 * inter]`` (unit stride along the row): the first half of each
+    row becomes ``silu(gate) * up``; returns that half (a strided view)."""
+    lib = lib or load()
+    t, two_inter = gate_up.shape
+    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), t, two_inter // 2)
+    return gate_up[:, : two_inter // 2]

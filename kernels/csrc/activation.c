@@ -1,0 +1,30 @@
+/* SwiGLU of float32 rows in place: for each row of [gate | up] (2 * inter values), gate <- silu(gate) * up,
+   silu(g) = g * sigmoid(g). Why C: at decode sizes the torch form (two slices, silu_, mul_) is four small ops
+   per layer; this is one pass. The vector path takes e = exp(-|g|) (simd.h's exp256 wants x <= 0) and
+   sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+#include <math.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
+
+void silu_mul_f32(float* gu, int64_t rs, int T, int inter) {
+    for (int t = 0; t < T; t++) {
+        float* g = gu + (int64_t)t * rs;
+        const float* u = g + inter;
+        int i = 0;
+#if INFERQ_HAVE_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp256(_mm256_or_ps(x, sign)); /* exp(-|x|) */
+            const __m256 d = _mm256_add_ps(one, e);
+            const __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+            const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), d);
+            _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) g[i] = silu1(g[i]) * u[i];
+    }
+}

@@ -1,0 +1,63 @@
+"""The C RMSNorm, RoPE and SwiGLU of the float32 CPU forward (kernels/cpu_norm.py) against torch references,
+in every build this CPU can run: its own (AVX-512 or AVX2), the AVX2 one (``INFERQ_NO_AVX512``) and the portable
+loops (``INFERQ_NO_AVX2``); odd sizes reach the scalar tails, strided rows the row strides, many rows the
+OpenMP split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_norm, native
+
+pytestmark = pytest.mark.skipif(cpu_norm.load() is None, reason="no C compiler: the model keeps torch's ops")
+
+FLAGS = native.cpu_flags().split()
+BUILDS = [pytest.param((None, "avx512" if "avx512f" in FLAGS else "avx2" if "avx2" in FLAGS else "scalar"), id="native"),
+          pytest.param(({"INFERQ_NO_AVX512": 1}, "avx2" if "avx2" in FLAGS else "scalar"), id="avx2"),
+          pytest.param(({"INFERQ_NO_AVX2": 1}, "scalar"), id="scalar")]
+
+
+@pytest.fixture(params=BUILDS)
+def lib(request):
+    defines, expected = request.param
+    built = cpu_norm.build(defines)
+    assert built is not None and cpu_norm.path(built) == expected
+    return built
+
+
+@pytest.mark.parametrize("t, h", [(1, 576), (3, 577), (40, 64), (2, 7)])
+def test_rms_norm_matches_the_hf_formula(lib, t, h):
+    g = torch.Generator().manual_seed(t * 1000 + h)
+    x = torch.randn(t, h + 5, generator=g)[:, 2:h + 2] * 3  # rows with a stride larger than h
+    w = torch.randn(h, generator=g)
+    expected = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * w
+    got = cpu_norm.rms_norm(x, w, 1e-5, lib)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t, heads, half", [(1, 12, 32), (5, 3, 7), (2, 1, 1)])
+def test_rope_is_the_complex_rotation(lib, t, heads, half):
+    g = torch.Generator().manual_seed(heads * 100 + half)
+    qkv = torch.randn(t, heads * 2 * half + 9, generator=g)  # more columns than the rotated heads (v)
+    angle = torch.rand(t, half, generator=g) * 6.3
+    rot = torch.polar(torch.ones_like(angle), angle)
+    expected = qkv.clone()
+    head_view = expected[:, : heads * 2 * half].reshape(t, heads, half, 2)
+    rotated = torch.view_as_real(torch.view_as_complex(head_view.contiguous()) * rot[:, None, :])
+    expected[:, : heads * 2 * half] = rotated.reshape(t, -1)
+    cpu_norm.rope_interleaved_(qkv, heads, torch.view_as_real(rot), lib)
+    torch.testing.assert_close(qkv, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t, inter", [(1, 1536), (3, 13), (4, 8)])
+def test_silu_mul_in_place(lib, t, inter):
+    g = torch.Generator().manual_seed(inter)
+    gu = torch.randn(t, 2 * inter, generator=g) * 8  # large |x| too: both sides of the sigmoid's branch
+    gu[0, 0], gu[-1, 1] = 0.0, -100.0
+    expected = F.silu(gu[:, :inter]) * gu[:, inter:]
+    got = cpu_norm.silu_mul_(gu, lib)
+    assert got.data_ptr() == gu.data_ptr()  # in place: the first half of each row
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
