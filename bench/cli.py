@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api", "spec", "fairness")
+NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api", "spec", "fairness", "latency")
 API_MODES = ("submit", "openai", "batch")
 
 
@@ -26,7 +26,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Alternating repeats of each comparison.")] = 1,
     engines: Annotated[str | None, typer.Option(help="throughput: comma-separated subset of inferq,inferq-kv-bf16,"
                                                      "inferq-static,inferq-static16,hf-static,hf-cb,vllm-cpu,"
-                                                     "llama-cpp (default: inferq,inferq-static16,hf-static, under "
+                                                     "llama-cpp (latency: inferq,llama-cpp; default: inferq,inferq-static16,hf-static, under "
                                                      "10 minutes; run each peer beside inferq, e.g. "
                                                      "inferq,vllm-cpu; a peer that cannot run is skipped).")] = None,
     policy: Annotated[str, typer.Option(help="throughput: also accepted as --policy static to run inferq's "
@@ -161,6 +161,11 @@ def bench(
         if quick:
             kw.update(light_requests=requests or 3, max_tokens=max_output or 8, max_num_seqs=4)
         fairness.run(model, seed=seed, **kw)
+    elif name == "latency":
+        from bench import latency
+
+        latency.run(model, dtypes=dtypes or ("float32",), engines=_csv(engines) or ("inferq",),
+                    max_tokens=max_output or 128, quick=quick, **kw)
     elif name == "api":
         _api(kw, modes=_csv(modes) or API_MODES, model=model, dtype=dtypes, duration=duration, requests=requests,
              repeats=repeats, batch_lines=batch_lines, quick=quick)

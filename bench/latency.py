@@ -13,7 +13,9 @@ how close it comes to this machine's memory bandwidth.
    step must read (every weight once, plus the KV it attends over) / step time.
 3. **Single stream**, side by side in this process: real-text chat prompts (repeat a paragraph of the
    project's LICENSE, summarise it, list its terms), greedy, EOS honoured, one request at a time; output
-   tok/s (decode: tokens after the first over the time after the first), TPOT p50/p95 and TTFT per engine.
+   tok/s (decode: tokens after the first over the time after the first), TPOT p50/p95 and TTFT per engine;
+   inferq also with the forward's norms, RoPE and SwiGLU as torch ops (``CausalLM.use_c_ops(False)``), the
+   before of their C calls.
    llama.cpp's ``llama-server`` (``-np 1``, same threads, a GGUF converted from the same weights) is run when
    it has been built (``python -m bench.peers.llama_cpp build``); its TPOT is the server's own
    ``predicted_per_token_ms``, its TTFT the server's ``prompt_ms``.
@@ -177,10 +179,10 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
 
 # --- one request at a time -------------------------------------------------------------------------------------
 
-def prompts() -> list[list[dict]]:
-    """Three chat requests over a paragraph of the project's LICENSE (real text, a fixed set)."""
+def prompts(chars: int = 900) -> list[list[dict]]:
+    """Three chat requests over ``chars`` characters of the project's LICENSE (real text, a fixed set)."""
     text = (Path(__file__).resolve().parents[1] / "LICENSE").read_text()
-    para = " ".join(" ".join(text.split("\n\n")[3:10]).split())[:900]  # the definitions
+    para = " ".join(" ".join(text.split("\n\n")[3:10]).split())[:chars]  # the definitions
     asks = ("Repeat the following paragraph exactly:", "Summarise the following paragraph in two sentences:",
             "List the terms defined in the following paragraph:")
     return [[{"role": "user", "content": f"{ask}\n\n{para}"}] for ask in asks]
@@ -209,6 +211,29 @@ def inferq_stream(base, chats: list[list[dict]], max_tokens: int) -> dict:
         decode_time += stamps[-1] - stamps[0]
         outs.append(tokens)
     return _stream_row("inferq", ttft, tpot, decode_tokens, decode_time, outs)
+
+
+def _with_and_without_c_ops(base, chats, max_tokens: int, repeats: int) -> list[dict]:
+    """inferq as it runs, and with the forward's norms, RoPE and SwiGLU as torch ops (the before of their C
+    calls), alternating ``repeats`` times so drift on a shared machine hits both; rows pooled per variant."""
+    model = base.runner.model
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    try:
+        for _ in range(repeats):
+            for c_ops in (False, True):
+                model.use_c_ops(c_ops)
+                runs[c_ops].append(inferq_stream(base, chats, max_tokens))
+    finally:
+        model.use_c_ops(True)
+    return [_pooled("inferq", runs[True]), _pooled("inferq, torch norm/rope/swiglu", runs[False])]
+
+
+def _pooled(engine: str, rows: list[dict]) -> dict:
+    keep = rows[-1]
+    tokens = sum(r["decode_tokens"] for r in rows)
+    seconds = sum(r["decode_s"] for r in rows)
+    return {**keep, "engine": engine, "decode_tok_s": tokens / seconds, "decode_tokens": tokens, "decode_s": seconds,
+            **{k: sorted(r[k] for r in rows)[len(rows) // 2] for k in ("tpot_p50_ms", "tpot_p95_ms", "ttft_p50_ms")}}
 
 
 def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, encode, log) -> dict:
@@ -240,6 +265,7 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
 def _stream_row(engine: str, ttft, tpot, decode_tokens, decode_time, outs) -> dict:
     return {"engine": engine, "requests": len(ttft), "output_tokens": sum(map(len, outs)),
             "decode_tok_s": decode_tokens / decode_time if decode_time else None,
+            "decode_tokens": decode_tokens, "decode_s": decode_time,
             "tpot_p50_ms": (common.percentile(tpot, 50) or 0) * 1000,
             "tpot_p95_ms": (common.percentile(tpot, 95) or 0) * 1000,
             "ttft_p50_ms": (common.percentile(ttft, 50) or 0) * 1000, "outputs": outs}
@@ -262,11 +288,11 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
     result: dict = {"benchmark": "latency", "machine": info, "model": str(model_dir), "read_gbs": bandwidth,
                     "dtypes": {}, "settings": {"max_tokens": max_tokens, "steps": steps, "engines": list(engines)}}
-    chats = prompts()[:1] if quick else prompts()
+    chats = prompts(200)[:1] if quick else prompts()
     for dtype in dtypes:
         base = InferqOffline(model_dir, dtype, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048)
         rows = [breakdown(base, b, steps=steps) for b in BATCHES]
-        streams = [inferq_stream(base, chats, max_tokens)]
+        streams = _with_and_without_c_ops(base, chats, max_tokens, repeats=1 if quick else 2)
         if "llama-cpp" in engines:
             from bench.peers import llama_cpp
 
@@ -277,7 +303,7 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                 def encode(chat, _e=base.engine):
                     return _e.encode(messages=chat)
                 streams.append(llama_stream(model_dir, dtype, chats, max_tokens, encode, log))
-                streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[1]["decode_tok_s"]
+                streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
         result["dtypes"][dtype] = {"breakdown": rows, "streams": streams}
         log(report_dtype(dtype, result["dtypes"][dtype], bandwidth))
     result["targets"] = _targets(result)

@@ -141,6 +141,25 @@ def test_roofline_smoke(tiny, tmp_path):
     assert d["matmul_flops_inferq"] and d["matmul_flops_torch"]
 
 
+def test_latency_smoke(tiny, tmp_path):
+    from bench import latency
+
+    latency.run(str(tiny), quick=True, out=tmp_path, log=_quiet)
+    data = json.loads((tmp_path / "latency.json").read_text())
+    assert data["read_gbs"] > 0.1
+    d = data["dtypes"]["float32"]
+    assert [r["batch"] for r in d["breakdown"]] == [1, 2, 4]
+    for row in d["breakdown"]:
+        parts = row["parts_ms"]
+        assert all(parts[k] > 0 for k in ("qkv", "o", "gate_up", "down", "lm_head", "attention", "sampling"))
+        assert abs(sum(parts.values()) - row["step_ms"]) < 1e-6 * row["step_ms"] + 1e-9  # the parts are the step
+        assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6)
+    ours, torch_ops = d["streams"]
+    assert ours["engine"] == "inferq" and torch_ops["engine"].startswith("inferq, torch")
+    assert ours["outputs"] == torch_ops["outputs"] and 0 < len(ours["outputs"][0]) <= 8  # greedy: same tokens
+    assert ours["decode_tok_s"] > 0 and ours["tpot_p50_ms"] > 0 and ours["ttft_p50_ms"] > 0
+
+
 def _services_down() -> list[str]:
     """The test services (started by `make test`, scripts/services.sh) that do not answer."""
     down = []
