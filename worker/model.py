@@ -263,7 +263,6 @@ class CausalLM:
         c = self.config
         t = input_ids.shape[0]
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qk_heads = hq + hkv
         if max_position is None:
             max_position = int(positions.max()) if t else 0
         cos, sin = self._rope(positions, max_position)
@@ -271,8 +270,6 @@ class CausalLM:
         rot = torch.view_as_real(cos) if c_ops is not None else None  # [T, D/2, (cos, sin)]
         cos = cos[:, None, :]  # complex rotation [T, 1, D/2] on the complex path
         sin = sin[:, None, :]
-        half = d // 2
-        complex_rope = self._complex_rope
         if meta.scale is None:
             meta.scale = self.scale
         x = self._embed_rows(input_ids)
@@ -280,16 +277,7 @@ class CausalLM:
         h = self._norm(x, self.layers[0].input_norm) if self.layers else x
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
-            if c_ops is not None and qkv.stride(-1) == 1:
-                cpu_norm.rope_interleaved_(qkv, qk_heads, rot, c_ops)
-                qk = qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, d)
-            elif complex_rope:  # interleaved pairs (worker/weights.py): RoPE on q and k as one complex multiply
-                qk = torch.view_as_complex(qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, half, 2))
-                qk = torch.view_as_real(qk * cos).view(t, qk_heads, d)
-            else:
-                qk = qkv[:, : self.q_size + self.kv_size].view(t, qk_heads, d)
-                x1, x2 = qk[..., :half], qk[..., half:]
-                qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # RoPE on q and k at once
+            qk = self._rotate_qk(qkv, cos, sin, rot, c_ops)
             q = qk[:, :hq]
             k = qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
@@ -318,3 +306,20 @@ class CausalLM:
         return self.lm_head(h).float()  # contiguous: the sampler's row-wise argmax is 3x slower on a transposed view
 
     __call__ = forward
+
+    def _rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor | None,
+                   c_ops) -> torch.Tensor:
+        """RoPE on the q and k heads of ``qkv`` ``[T, (Hq + 2Hkv) D]``, as ``[T, Hq + Hkv, D]``: one C call in
+        place, one complex multiply (interleaved pairs, worker/weights.py), or the rotate-half form."""
+        c = self.config
+        t, qk_heads, d = qkv.shape[0], c.num_heads + c.num_kv_heads, c.head_dim
+        qk_flat = qkv[:, : self.q_size + self.kv_size]
+        if c_ops is not None and qkv.stride(-1) == 1:
+            cpu_norm.rope_interleaved_(qkv, qk_heads, rot, c_ops)
+            return qk_flat.view(t, qk_heads, d)
+        if self._complex_rope:
+            qk = torch.view_as_complex(qk_flat.view(t, qk_heads, d // 2, 2))
+            return torch.view_as_real(qk * cos).view(t, qk_heads, d)
+        qk = qk_flat.view(t, qk_heads, d)
+        x1, x2 = qk[..., : d // 2], qk[..., d // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # RoPE on q and k at once
