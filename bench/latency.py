@@ -4,14 +4,18 @@ how close it comes to this machine's memory bandwidth.
 ``python -m bench latency [--engines inferq,llama-cpp] [--dtype float32,bfloat16] [--quick]``
 
 1. **Read bandwidth** of this machine, measured here (a float32 buffer larger than any cache summed with every
-   torch thread, best of several passes): the floor of a decode step is its bytes over this.
-2. **Step breakdown** at batch 1, 2 and 4 (decode steps after a short prompt, ``ignore_eos``): per step, each
+   torch thread, best of several passes): the floor of a decode step is its bytes over this. It drifts on a
+   shared VM (35-64 GB/s between minutes on the Zen 5 here), so each dtype measures it again just before its
+   steps, and the weights-alone pass alternates with it.
+2. **Weights alone**: the packed GEMM kernel over every projection of a step at M = 1, 2, 4, 8 (split-k as
+   built, and the ``INFERQ_NO_SPLIT_K`` build, its before), alternated with ``torch.sum`` over as many bytes.
+3. **Step breakdown** at batch 1, 2 and 4 (decode steps after a short prompt, ``ignore_eos``): per step, each
    projection kind (qkv, o, gate_up, down, summed over layers, and the LM head), attention (KV write + kernel),
    the rest of the forward (embedding, norms, RoPE, SwiGLU), sampling, the scheduler, input preparation and
    the engine's Python around them (postprocess, detokenisation, bookkeeping). Timers wrap each part, so the
    parts add up to the step; the wrappers cost about a microsecond per call. Achieved GB/s = the bytes a
    step must read (every weight once, plus the KV it attends over) / step time.
-3. **Single stream**, side by side in this process: real-text chat prompts (repeat a paragraph of the
+4. **Single stream**, side by side in this process: real-text chat prompts (repeat a paragraph of the
    project's LICENSE, summarise it, list its terms), greedy, EOS honoured, one request at a time; output
    tok/s (decode: tokens after the first over the time after the first), TPOT p50/p95 and TTFT per engine;
    inferq also with the forward's norms, RoPE and SwiGLU as torch ops (``CausalLM.use_c_ops(False)``), the
@@ -52,6 +56,73 @@ def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best / 1e9
+
+
+# --- the weights alone ------------------------------------------------------------------------------------
+
+STREAM_M = (1, 2, 4, 8)
+
+
+def _packed_calls(model, lib) -> list:
+    """One closure per projection of ``model`` (every layer's and the LM head) running ``lib``'s kernel at M
+    rows into a scratch output: the weight reads of a step with nothing else. Weights the planner kept in a
+    BLAS layout are packed here (the kernel's own layout), so the pass covers the same bytes either way."""
+    import torch
+
+    from kernels import packed_gemm
+
+    calls = []
+    for linear in [getattr(layer, kind) for layer in model.layers for kind in PROJECTIONS] + [model.lm_head]:
+        layout, w, n = linear.layout, linear.weight, linear.out_features
+        if layout not in ("pk", "pd"):
+            layout, w = "pk", packed_gemm.pack(linear.w_oi.contiguous())
+        k = w.shape[1] * (2 if layout == "pd" else 1)
+        act = torch.bfloat16 if layout == "pd" else torch.float32
+        x, y = torch.randn(max(STREAM_M), k).to(act), torch.empty(max(STREAM_M), n, dtype=act)
+        fn = lib.gemm_bf16_dot if layout == "pd" else lib.gemm if w.dtype == torch.float32 else lib.gemm_bf16
+
+        def call(m, fn=fn, x=x, w=w, y=y, n=n, k=k):
+            fn(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, m, n, k, 0)
+        calls.append(call)
+    return calls
+
+
+def weight_streaming(model, repeats: int = 5) -> dict | None:
+    """The packed kernel over every weight of a step at M = 1, 2, 4, 8, as built and with the
+    ``INFERQ_NO_SPLIT_K`` option (its before), against ``torch.sum`` over a buffer of the same bytes, the three
+    alternated ``repeats`` times so the machine's drifting bandwidth hits each alike; best and median GB/s.
+    None where the packed kernel does not run here (no AVX2 + FMA or no compiler)."""
+    import torch
+
+    from kernels import packed_gemm
+
+    builds = {"split-k": packed_gemm._load(), "one accumulator set": packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})}
+    if any(lib is None for lib in builds.values()):
+        return None
+    runs = {name: _packed_calls(model, lib) for name, lib in builds.items()}
+    nbytes = sum(getattr(layer, kind).weight.nbytes for layer in model.layers for kind in PROJECTIONS)
+    nbytes += model.lm_head.weight.nbytes
+    buf = torch.ones(nbytes // 4)
+    times: dict[str, list[float]] = defaultdict(list)
+    for rep in range(repeats + 1):  # the first pass warms up
+        t0 = time.perf_counter()
+        buf.sum()
+        if rep:
+            times["torch.sum"].append(time.perf_counter() - t0)
+        for name, calls in runs.items():
+            for m in STREAM_M:
+                t0 = time.perf_counter()
+                for call in calls:
+                    call(m)
+                if rep:
+                    times[f"{name}, M={m}"].append(time.perf_counter() - t0)
+    rows = [{"what": key, "best_ms": min(v) * 1e3, "median_ms": sorted(v)[len(v) // 2] * 1e3,
+             "best_gbs": nbytes / min(v) / 1e9, "median_gbs": nbytes / sorted(v)[len(v) // 2] / 1e9}
+            for key, v in times.items()]
+    read = rows[0]["median_gbs"]
+    for r in rows:
+        r["share_of_read"] = r["median_gbs"] / read
+    return {"bytes": nbytes, "rows": rows}
 
 
 # --- where a step goes ---------------------------------------------------------------------------------------
@@ -291,6 +362,8 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
     chats = prompts(200)[:1] if quick else prompts()
     for dtype in dtypes:
         base = InferqOffline(model_dir, dtype, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048)
+        streaming = weight_streaming(base.runner.model, repeats=2 if quick else 5)
+        read_gbs = read_bandwidth(256 if quick else 1024, 3 if quick else 5)  # just before the steps it judges
         rows = [breakdown(base, b, steps=steps) for b in BATCHES]
         streams = _with_and_without_c_ops(base, chats, max_tokens, repeats=1 if quick else 2)
         if "llama-cpp" in engines:
@@ -304,8 +377,9 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                     return _e.encode(messages=chat)
                 streams.append(llama_stream(model_dir, dtype, chats, max_tokens, encode, log))
                 streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
-        result["dtypes"][dtype] = {"breakdown": rows, "streams": streams}
-        log(report_dtype(dtype, result["dtypes"][dtype], bandwidth))
+        result["dtypes"][dtype] = {"breakdown": rows, "streams": streams, "read_gbs": read_gbs,
+                                   "weight_streaming": streaming}
+        log(report_dtype(dtype, result["dtypes"][dtype], read_gbs))
     result["targets"] = _targets(result)
     result["elapsed_s"] = time.perf_counter() - t_start
     common.write_json(common.results_dir(out), tag, result)
@@ -317,7 +391,7 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
 def _targets(result: dict) -> list[dict]:
     out = []
     for dtype, d in result["dtypes"].items():
-        b1 = d["breakdown"][0]["achieved_gbs"] / result["read_gbs"]
+        b1 = d["breakdown"][0]["achieved_gbs"] / d["read_gbs"]
         out.append({"target": f"{dtype}: batch-1 step at >= 85% of the measured read bandwidth", "measured": b1,
                     "met": b1 >= 0.85})
         ratio = d["streams"][0].get("vs_llama_cpp")
@@ -337,9 +411,16 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
     b1 = d["breakdown"][0]
     proj = ", ".join(f"{k} {v:.1f}" for k, v in b1["projection_gbs"].items())
     streams = [{k: v for k, v in s.items() if k != "outputs"} for s in d["streams"]]
+    ws = d.get("weight_streaming")
+    weights = [] if ws is None else [
+        f"{dtype}: the packed kernel over a step's weights alone ({ws['bytes'] / 1e6:.0f} MB), alternated with a "
+        f"torch.sum over as many bytes",
+        common.table(ws["rows"], [("what", "what"), ("best_ms", "best ms"), ("median_ms", "median ms"),
+                                  ("median_gbs", "median GB/s"), ("share_of_read", "share of torch.sum")])]
     return "\n".join([
+        *weights,
         f"{dtype}: ms per decode step, by part (batch 1, 2, 4); weights {b1['bytes_per_step'] / 1e6:.0f} MB read "
-        f"per step",
+        f"per step; read bandwidth just before: {bandwidth:.1f} GB/s",
         common.table(rows, [("part", "part"), *[(f"b{b}", f"batch {b}") for b in BATCHES]]),
         f"batch 1, projections' read rate (GB/s): {proj}",
         common.table(streams, [("engine", "engine"), ("requests", "requests"), ("output_tokens", "output tokens"),

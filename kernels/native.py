@@ -16,6 +16,8 @@ sets themselves come from the compiler's own macros under ``-march=native``):
   gets (tests and side-by-side timings of the AVX2 paths).
 - ``INFERQ_NO_AVX2``: leave every vector path out (the attention kernels keep their portable loops; the
   packed GEMM, which has none, then fails to build).
+- ``INFERQ_NO_SPLIT_K`` (packed GEMM): one accumulator set per row tile even for decode-sized tiles, the
+  before of the split-k change, for side-by-side timings (``bench/gemv.py``).
 
 The attention kernels also switch paths at run time (``cpu_attention.use_avx512`` / ``use_generic``).
 """

@@ -7,7 +7,9 @@
    and broadcasts each of the mr inputs. Rows are split into near-equal tiles (M = 8 runs as 4 + 4 with AVX2,
    not 6 + 2); the panel, K x 64 bytes, stays in L1/L2 while its tiles run, and the first tile of a panel
    prefetches the next one, so the DRAM read of the weight overlaps the FMAs. Panels are shared out over torch's
-   OpenMP threads. Needs AVX2 + FMA (without them the caller keeps torch's GEMM). */
+   OpenMP threads. Tiles of one to three rows (decode) split k over two or four sets of accumulators, so FMA
+   latency does not pace the weight stream (build option INFERQ_NO_SPLIT_K: one set, for side-by-side timing).
+   Needs AVX2 + FMA (without them the caller keeps torch's GEMM). */
 #include <stdint.h>
 #include <string.h>
 
@@ -18,45 +20,73 @@
 #else
 
 #define PANEL 16
+/* Accumulator sets over k for a tile of MR rows: with one to three rows a single set is one FMA dependency chain
+   per register, whose latency (4 cycles; longer behind a bfloat16 widening load) rather than the memory bounds
+   how fast the weight streams. */
+#ifdef INFERQ_NO_SPLIT_K
+#define SPLIT_K(MR) 1
+#else
+#define SPLIT_K(MR) ((MR) == 1 ? 4 : (MR) <= 3 ? 2 : 1)
+#endif
 #define X_BLOCK_BYTES (192 * 1024) /* see gemm_any */
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
    call site (always_inline), so the row loops unroll and the accumulators live in registers. */
 ALWAYS_INLINE void block(const int MR, const int BF16, const float* x, int64_t xs, const void* wv, int K, float* y,
                          int64_t ys, const float* b, int nc, int accumulate, const char* prefetch) {
-    __m256 c0[6], c1[6];
-    _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) { c0[r] = _mm256_setzero_ps(); c1[r] = _mm256_setzero_ps(); }
+    const int S = SPLIT_K(MR) > 2 ? 2 : SPLIT_K(MR); /* 16 ymm registers: at most 2 sets */
+    __m256 c0[2][6], c1[2][6];
+    _Pragma("GCC unroll 2") for (int s = 0; s < S; s++)
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) { c0[s][r] = _mm256_setzero_ps(); c1[s][r] = _mm256_setzero_ps(); }
     const int row_bytes = BF16 ? 2 * PANEL : 4 * PANEL;
-    for (int k = 0; k < K; k++) {
+    int k = 0;
+    for (; k + S <= K; k += S) {
+        _Pragma("GCC unroll 2") for (int s = 0; s < S; s++) {
+            const int kk = k + s;
+            if (prefetch && (!BF16 || !(kk & 1))) _mm_prefetch(prefetch + (int64_t)kk * row_bytes, _MM_HINT_T0);
+            const __m256 w0 = load8(wv, (int64_t)kk * PANEL, BF16), w1 = load8(wv, (int64_t)kk * PANEL + 8, BF16);
+            _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+                const __m256 xb = _mm256_broadcast_ss(x + r * xs + kk);
+                c0[s][r] = _mm256_fmadd_ps(xb, w0, c0[s][r]);
+                c1[s][r] = _mm256_fmadd_ps(xb, w1, c1[s][r]);
+            }
+        }
+    }
+    for (; k < K; k++) {
         if (prefetch && (!BF16 || !(k & 1))) _mm_prefetch(prefetch + (int64_t)k * row_bytes, _MM_HINT_T0);
         const __m256 w0 = load8(wv, (int64_t)k * PANEL, BF16), w1 = load8(wv, (int64_t)k * PANEL + 8, BF16);
         _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
             const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
-            c0[r] = _mm256_fmadd_ps(xb, w0, c0[r]);
-            c1[r] = _mm256_fmadd_ps(xb, w1, c1[r]);
+            c0[0][r] = _mm256_fmadd_ps(xb, w0, c0[0][r]);
+            c1[0][r] = _mm256_fmadd_ps(xb, w1, c1[0][r]);
         }
     }
+    _Pragma("GCC unroll 2") for (int s = 1; s < S; s++)
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+            c0[0][r] = _mm256_add_ps(c0[0][r], c0[s][r]);
+            c1[0][r] = _mm256_add_ps(c1[0][r], c1[s][r]);
+        }
     if (b) {
         float bb[PANEL] = {0};
         for (int j = 0; j < nc; j++) bb[j] = b[j];
         const __m256 b0 = _mm256_loadu_ps(bb), b1 = _mm256_loadu_ps(bb + 8);
-        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) { c0[r] = _mm256_add_ps(c0[r], b0); c1[r] = _mm256_add_ps(c1[r], b1); }
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) { c0[0][r] = _mm256_add_ps(c0[0][r], b0); c1[0][r] = _mm256_add_ps(c1[0][r], b1); }
     }
     if (nc == PANEL) {
         _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
             float* yr = y + r * ys;
             if (accumulate) {
-                c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(yr));
-                c1[r] = _mm256_add_ps(c1[r], _mm256_loadu_ps(yr + 8));
+                c0[0][r] = _mm256_add_ps(c0[0][r], _mm256_loadu_ps(yr));
+                c1[0][r] = _mm256_add_ps(c1[0][r], _mm256_loadu_ps(yr + 8));
             }
-            _mm256_storeu_ps(yr, c0[r]);
-            _mm256_storeu_ps(yr + 8, c1[r]);
+            _mm256_storeu_ps(yr, c0[0][r]);
+            _mm256_storeu_ps(yr + 8, c1[0][r]);
         }
     } else { /* the last panel of an N that is not a multiple of 16 */
         _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
             float t[PANEL];
-            _mm256_storeu_ps(t, c0[r]);
-            _mm256_storeu_ps(t + 8, c1[r]);
+            _mm256_storeu_ps(t, c0[0][r]);
+            _mm256_storeu_ps(t + 8, c1[0][r]);
             float* yr = y + r * ys;
             for (int j = 0; j < nc; j++) yr[j] = accumulate ? yr[j] + t[j] : t[j];
         }
@@ -97,18 +127,32 @@ ALWAYS_INLINE void block512(const int MR, const int BF16, const float* x, int64_
                                                            const void* wv, int K, float* y, int64_t ys,
                                                            const float* b, int nc, int accumulate,
                                                            const char* prefetch) {
-    __m512 c[TILE_ROWS];
-    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[r] = _mm512_setzero_ps();
+    const int S = SPLIT_K(MR);
+    __m512 c[4][TILE_ROWS];
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; s++)
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[s][r] = _mm512_setzero_ps();
     const int row_bytes = BF16 ? 2 * PANEL : 4 * PANEL;
-    for (int k = 0; k < K; k++) {
+    int k = 0;
+    for (; k + S <= K; k += S) {
+        _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) {
+            const int kk = k + s;
+            if (prefetch && (!BF16 || !(kk & 1))) _mm_prefetch(prefetch + (int64_t)kk * row_bytes, _MM_HINT_T0);
+            const __m512 w = load16(wv, (int64_t)kk * PANEL, BF16);
+            _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)
+                c[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + kk]), w, c[s][r]);
+        }
+    }
+    for (; k < K; k++) {
         if (prefetch && (!BF16 || !(k & 1))) _mm_prefetch(prefetch + (int64_t)k * row_bytes, _MM_HINT_T0);
         const __m512 w = load16(wv, (int64_t)k * PANEL, BF16);
-        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), w, c[r]);
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), w, c[0][r]);
     }
+    _Pragma("GCC unroll 4") for (int s = 1; s < S; s++)
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[0][r] = _mm512_add_ps(c[0][r], c[s][r]);
     const __mmask16 m = nc == PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << nc) - 1);
     const __m512 bb = b ? _mm512_maskz_loadu_ps(m, b) : _mm512_setzero_ps();
     _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {
-        __m512 v = _mm512_add_ps(c[r], bb);
+        __m512 v = _mm512_add_ps(c[0][r], bb);
         if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, y + r * ys));
         _mm512_mask_storeu_ps(y + r * ys, m, v);
     }
@@ -184,21 +228,38 @@ ALWAYS_INLINE void blockdp(const int MR, const int BF16, const uint16_t* x, int6
     (void)BF16;
     const uint16_t* w = (const uint16_t*)wv;
     const int K2 = K / 2;
-    __m512 c[12];
-    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[r] = _mm512_setzero_ps();
-    for (int kp = 0; kp < K2; kp++) {
+    const int S = SPLIT_K(MR);
+    __m512 c[4][12];
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; s++)
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[s][r] = _mm512_setzero_ps();
+    int kp = 0;
+    for (; kp + S <= K2; kp += S) {
+        _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) {
+            const int kk = kp + s;
+            if (prefetch) _mm_prefetch(prefetch + (int64_t)kk * 64, _MM_HINT_T0);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(w + (int64_t)kk * 32));
+            _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * xs + 2 * kk, 4);
+                c[s][r] = _mm512_dpbf16_ps(c[s][r], (__m512bh)_mm512_set1_epi32(pair), wv);
+            }
+        }
+    }
+    for (; kp < K2; kp++) {
         if (prefetch) _mm_prefetch(prefetch + (int64_t)kp * 64, _MM_HINT_T0);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(w + (int64_t)kp * 32));
         _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {
             int32_t pair;
             memcpy(&pair, x + r * xs + 2 * kp, 4);
-            c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)_mm512_set1_epi32(pair), wv);
+            c[0][r] = _mm512_dpbf16_ps(c[0][r], (__m512bh)_mm512_set1_epi32(pair), wv);
         }
     }
+    _Pragma("GCC unroll 4") for (int s = 1; s < S; s++)
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[0][r] = _mm512_add_ps(c[0][r], c[s][r]);
     const __mmask16 m = nc == PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << nc) - 1);
     const __m512 bb = b ? _mm512_maskz_loadu_ps(m, b) : _mm512_setzero_ps();
     _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {
-        __m512 v = _mm512_add_ps(c[r], bb);
+        __m512 v = _mm512_add_ps(c[0][r], bb);
         uint16_t* yr = y + r * ys;
         if (accumulate)
             v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(

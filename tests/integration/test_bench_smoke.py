@@ -148,6 +148,16 @@ def test_latency_smoke(tiny, tmp_path):
     data = json.loads((tmp_path / "latency.json").read_text())
     assert data["read_gbs"] > 0.1
     d = data["dtypes"]["float32"]
+    assert d["read_gbs"] > 0.1
+    from kernels import packed_gemm
+
+    ws = d["weight_streaming"]
+    if packed_gemm.available():  # every M, both builds, and the read pass they are judged against
+        whats = [r["what"] for r in ws["rows"]]
+        assert whats[0] == "torch.sum" and len(whats) == 1 + 2 * len(latency.STREAM_M)
+        assert all(r["median_ms"] > 0 and r["share_of_read"] > 0 for r in ws["rows"])
+    else:
+        assert ws is None
     assert [r["batch"] for r in d["breakdown"]] == [1, 2, 4]
     for row in d["breakdown"]:
         parts = row["parts_ms"]

@@ -93,7 +93,7 @@ def test_packed_kernel_matches_f_linear(m, n, k, bias, dtype):
 
 
 @pytest.mark.skipif(not packed_gemm.has_bf16_dot(), reason="no AVX512-BF16 on this CPU")
-@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (2, 20, 10), (5, 33, 64), (8, 17, 4), (12, 81, 24), (13, 100, 30),
+@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (1, 40, 14), (2, 20, 10), (3, 20, 6), (5, 33, 64), (8, 17, 4), (12, 81, 24), (13, 100, 30),
                                    (64, 576, 96), (131, 50, 70)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_pair_packed_bfloat16_kernel_matches_f_linear(m, n, k, bias):
@@ -145,10 +145,24 @@ def test_avx2_build_of_the_source_matches_f_linear(dtype):
     assert lib is not None and not lib.has_avx512() and not lib.has_bf16_dot()
     fn = lib.gemm if dtype == torch.float32 else lib.gemm_bf16
     g = torch.Generator().manual_seed(11)
-    for m, n, k in [(1, 16, 8), (5, 33, 64), (6, 48, 1), (13, 100, 29), (131, 50, 70)]:
+    for m, n, k in [(1, 16, 8), (1, 40, 37), (2, 20, 9), (5, 33, 64), (6, 48, 1), (13, 100, 29), (131, 50, 70)]:
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(m, k, generator=g)
         b = torch.randn(n, generator=g)
         y, packed = torch.empty(m, n), packed_gemm.pack(w)  # (held: the kernel reads it through a pointer)
         fn(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, n, k, 0)
         torch.testing.assert_close(y, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
+
+
+@needs_packed
+def test_build_without_split_k_matches_f_linear():
+    """The INFERQ_NO_SPLIT_K build option (one accumulator set per tile: the side-by-side baseline of bench/gemv.py)
+    computes the same products, for the decode-sized tiles it changes."""
+    lib = packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})
+    assert lib is not None
+    g = torch.Generator().manual_seed(12)
+    for m, n, k in [(1, 40, 37), (2, 20, 9), (3, 31, 16)]:
+        w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        y, packed = torch.empty(m, n), packed_gemm.pack(w)
+        lib.gemm(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, n, k, 0)
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
