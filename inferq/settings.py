@@ -98,6 +98,14 @@ class Settings(BaseSettings):
     batch_min_share: float = Field(
         0.1, ge=0.0, le=1.0, description="Share of each step's token budget guaranteed to the batch tier."
     )
+    interactive_step_ms: float = Field(
+        250.0, ge=0.0, description="While interactive requests are about (one ran or waited within "
+        "interactive_window_seconds), each engine step holds at most the batch-tier tokens this machine computes "
+        "in about this many milliseconds (measured on its own prefill steps), so an interactive request waits "
+        "behind short steps instead of a full token budget of batch prefills. 0: no cap.")
+    interactive_window_seconds: float = Field(
+        30.0, ge=0.0, description="How long after the last interactive request the batch tier keeps the "
+        "shorter steps of interactive_step_ms.")
     fair_share: bool = Field(
         True, description="Within each tier, admit waiting requests round-robin over tenants by tokens (deficit "
         "round robin, weighted by tenants.fair_share_weight) instead of in arrival order; jobs are queued in one "

@@ -26,6 +26,11 @@ class SchedulerConfig:
     max_batched_tokens: int = 2048
     policy: Literal["continuous", "static"] = "continuous"
     batch_min_share: float = 0.1  # of the token budget, guaranteed to the batch tier when it has work
+    # Batch-tier tokens per step while interactive traffic is about (an interactive request ran or waited
+    # within `interactive_window_s`): an interactive request arriving mid-step waits behind at most this much
+    # batch work. None: no cap (offline runs, batch-only workers never see interactive work anyway).
+    batch_step_tokens: int | None = None
+    interactive_window_s: float = 30.0
     max_model_len: int | None = None  # default for requests that carry none
     fair_share: bool = True  # admit each tier's waiting requests round-robin over tenants (scheduler/fairness.py)
     # Tokens per tenant turn, times its weight. Small, so a turn admits about one request and a newcomer waits
@@ -59,6 +64,7 @@ class Scheduler:
         self._cohort: set[str] = set()  # static policy: the batch being run to completion
         self._num_deadlines = 0
         self._seat_victims: set[int] = set()  # ids of requests preempted this step for a fair share of seats
+        self._interactive_seen = float("-inf")  # time.monotonic() an interactive request last ran or waited
 
     def _new_queue(self) -> FairQueue:
         # The static policy's cohort is simply the first requests in order: fair share applies to continuous.
@@ -162,6 +168,7 @@ class Scheduler:
         run_i = [r for r in self.running if r.tier is Tier.INTERACTIVE]
         run_b = [r for r in self.running if r.tier is Tier.BATCH]
         wait_i, wait_b = self.waiting[Tier.INTERACTIVE], self.waiting[Tier.BATCH]
+        batch_cap = self._batch_step_cap(interactive_now=bool(run_i) or len(wait_i) > 0)
         # Batch never starves: while it has work, it keeps `reserve` tokens of every step, its head
         # request is never preempted by interactive work, and interactive admissions leave free the
         # blocks (and, if the head waits, the seat) the head needs for its next `reserve` tokens.
@@ -186,10 +193,26 @@ class Scheduler:
         used = self._run(run_i, budget - reserve, out, done, protect=head)
         used += self._admit(wait_i, budget - reserve - used, out, done, protect=head, reserve=head_blocks, seats=seats,
                             claims=claims_i)
-        used += self._run([r for r in run_b if r.status is RequestStatus.RUNNING], budget - used, out, done)
-        used += self._admit(wait_b, budget - used, out, done, claims=claims_b)
+        batch_budget = min(budget - used, batch_cap)
+        batch_used = self._run([r for r in run_b if r.status is RequestStatus.RUNNING], batch_budget, out, done)
+        batch_used += self._admit(wait_b, batch_budget - batch_used, out, done, claims=claims_b)
+        used += batch_used
         self._grant_proposals(out, budget - used)
         return out
+
+    def _batch_step_cap(self, interactive_now: bool) -> int:
+        """Tokens the batch tier may use this step: ``batch_step_tokens`` while interactive traffic is about,
+        so the step an interactive request arrives during (and its own first step) stays short; otherwise the
+        whole budget, for the batch tier's throughput."""
+        cap = self.config.batch_step_tokens
+        if cap is None:
+            return self.config.max_batched_tokens
+        now = time.monotonic()
+        if interactive_now:
+            self._interactive_seen = now
+        elif now - self._interactive_seen > self.config.interactive_window_s:
+            return self.config.max_batched_tokens
+        return max(1, cap)
 
     def _run(self, reqs: list[Request], budget: int, out: SchedulerOutput, done: set[int],
              protect: Request | None = None) -> int:

@@ -17,6 +17,7 @@ from scheduler.request import FinishReason, Request
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from worker.detokenizer import IncrementalDetokenizer
 from worker.outputs import Capacity, RequestOutput, Usage
+from worker.step_pacer import StepPacer
 
 log = get_logger(__name__)
 
@@ -115,9 +116,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=settings.max_num_seqs, max_batched_tokens=settings.max_batched_tokens,
                             policy=settings.policy, batch_min_share=settings.batch_min_share,
-                            max_model_len=self.max_model_len, fair_share=settings.fair_share),
+                            max_model_len=self.max_model_len, fair_share=settings.fair_share,
+                            interactive_window_s=settings.interactive_window_seconds),
             self.block_manager,
         )
+        self.pacer = (StepPacer(settings.interactive_step_ms / 1000, ceiling=settings.max_batched_tokens)
+                      if settings.interactive_step_ms > 0 else None)
         self.speculation = _make_speculation(settings)
         self.stats = EngineStats()
         self._tracks: dict[str, _Track] = {}
@@ -206,6 +210,8 @@ class LLMEngine:
         for req, n in sched.scheduled:
             track = self._tracks.get(req.request_id) or self._done[req.request_id]
             track.usage.compute_seconds += dt * n / total
+        if self.pacer is not None:
+            self.scheduler.config.batch_step_tokens = self.pacer.observe(total, dt)
         st = self.stats
         st.busy_seconds += dt
         st.steps += 1

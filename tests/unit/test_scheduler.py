@@ -247,6 +247,29 @@ def test_interactive_leaves_a_seat_for_the_waiting_batch_head():
     assert b in [r for r, _ in out.scheduled] and len(out.scheduled) == 2
 
 
+def _batch_tokens(out: SchedulerOutput) -> int:
+    return sum(n for r, n in out.scheduled if r.tier is Tier.BATCH)
+
+
+def test_batch_step_cap_applies_while_interactive_traffic_is_about():
+    """With ``batch_step_tokens`` set, a step holds at most that many batch tokens while an interactive request
+    waits or runs, and for ``interactive_window_s`` after; outside that window batch work gets the whole
+    budget again. Interactive work itself is not capped."""
+    s = make(num_blocks=256, max_batched_tokens=64, max_num_seqs=16, batch_step_tokens=10, interactive_window_s=60)
+    for _ in range(8):
+        s.add_request(req(40, max_tokens=20))  # 320 prompt tokens: prefill work for many steps
+    assert _batch_tokens(run_step(s)) == 64  # no interactive traffic yet: the whole budget
+    s.add_request(req(30, max_tokens=3, tier=Tier.INTERACTIVE, name="i"))
+    out = run_step(s)
+    assert ids(out)[0] == "i" and dict((r.request_id, n) for r, n in out.scheduled)["i"] == 30
+    assert _batch_tokens(out) == 10
+    while "i" in s.requests:
+        assert _batch_tokens(run_step(s)) <= 10
+    assert _batch_tokens(run_step(s)) == 10  # gone, but within the window
+    s.config.interactive_window_s = 0.0
+    assert _batch_tokens(run_step(s)) == 64  # the window has passed: full steps again
+
+
 def test_abort_frees_blocks_at_once_and_is_reported():
     s = make()
     a, w = req(8, max_tokens=10), req(8)
