@@ -121,8 +121,7 @@ def run(*, duration: float = 20.0, concurrency: tuple[int, ...] = (16, 64), api_
     ax.legend(fontsize=8)
     ax.set_title(f"POST /v1/jobs ({api_workers} API process) - {info['cpu']}, {info['cores']} cores", fontsize=9)
     common.save_figure(fig, out_dir, tag)
-    log("\n".join(common.target_line(t["target"], "", t["measured"], t["met"]).replace("target , ", "")
-                  for t in result["targets"]))
+    log("\n".join(common.target_lines(result["targets"])))
     return result
 
 

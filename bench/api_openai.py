@@ -293,13 +293,8 @@ def run(model: str | None = None, *, dtype: str = "float32", modes: tuple[str, .
                                                max_tokens=batch_max_tokens, light_interval=light_interval,
                                                vocab=vocab, timeout=1800, log=log)
     result["targets"] = _targets(result)
-    result["elapsed_s"] = time.perf_counter() - t_start
-    result["loadavg_start"], result["loadavg_end"] = load_start, os.getloadavg()
-    out_dir = common.results_dir(out)
-    common.write_json(out_dir, tag, result)
-    _plot(result, out_dir, tag)
-    log(report(result))
-    return result
+    return common.finish_run(result, t_start=t_start, load_start=load_start, out=out, tag=tag, plot=_plot,
+                             report=report, log=log)
 
 
 def _targets(result: dict) -> list[dict]:
@@ -351,8 +346,7 @@ def report(result: dict) -> str:
                      f"{ba['ended_s']:.1f} s, output downloaded {ba['total_s']:.1f} s; one by one / Batch API time = "
                      f"{common.fmt(b['one_by_one_over_batch_time'])}; interactive light stream: one request every "
                      f"{b['light_interval_s']} s")
-    for t in result["targets"]:
-        lines.append(common.target_line(t["target"], "", t["measured"], t["met"]).replace("target , ", ""))
+    lines += common.target_lines(result["targets"])
     lines.append(f"elapsed {result['elapsed_s']:.0f} s")
     return "\n".join(lines)
 

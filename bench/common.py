@@ -192,6 +192,23 @@ def target_line(name: str, target: str, measured: float | None, ok: bool | None)
     return f"target vs measured: {name}: target {target}, measured {m} -> {verdict}"
 
 
+def finish_run(result: dict, *, t_start: float, load_start, out, tag: str, plot, report, log) -> dict:
+    """A service benchmark's last steps: elapsed time and load averages recorded, the JSON and the plot
+    written, the report logged."""
+    result["elapsed_s"] = time.perf_counter() - t_start
+    result["loadavg_start"], result["loadavg_end"] = load_start, os.getloadavg()
+    out_dir = results_dir(out)
+    write_json(out_dir, tag, result)
+    plot(result, out_dir, tag)
+    log(report(result))
+    return result
+
+
+def target_lines(targets: list[dict]) -> list[str]:
+    """A benchmark's ``targets`` (dicts of target, measured, met) as report lines."""
+    return [target_line(t["target"], "", t["measured"], t["met"]).replace("target , ", "") for t in targets]
+
+
 class Timer:
     def __enter__(self):
         self.t0 = time.perf_counter()

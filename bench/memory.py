@@ -117,8 +117,7 @@ def report(result: dict) -> str:
                                  ("waste", "KV waste % (mean over steps)"), ("ratio", "paged / this")]),
              f"mean concurrent {common.fmt(p['mean_concurrent_seqs'])}, preemptions {p['preemptions']}, "
              f"peak KV usage {common.fmt(p['kv_usage_peak'])}, {p['output_tok_s']:.1f} output tok/s"]
-    for t in result["targets"]:
-        lines.append(common.target_line(t["target"], "", t["measured"], t["met"]).replace("target , ", ""))
+    lines += common.target_lines(result["targets"])
     return "\n".join(lines)
 
 

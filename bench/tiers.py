@@ -494,13 +494,8 @@ def run(model: str | None = None, *, dtype: str = "float32", seed: int = 0, rate
         {"target": "service throughput >= 90% of the offline engine", "measured": ratio,
          "met": None if ratio is None else ratio >= 0.9},
     ]
-    result["elapsed_s"] = time.perf_counter() - t_start
-    result["loadavg_start"], result["loadavg_end"] = load_start, os.getloadavg()
-    out_dir = common.results_dir(out)
-    common.write_json(out_dir, tag, result)
-    _plot(result, out_dir, tag)
-    log(report(result))
-    return result
+    return common.finish_run(result, t_start=t_start, load_start=load_start, out=out, tag=tag, plot=_plot,
+                             report=report, log=log)
 
 
 def _shifted(wl: Workload, vocab: int) -> Workload:
@@ -540,8 +535,7 @@ def report(result: dict) -> str:
                                      ("slo", "SLO met"), ("goodput", "goodput req/s"),
                                      ("tok_s", "output tok/s")], digits=0))
     lines.append("(latencies in ms; SLO: interactive TTFT <= 1 s, batch: finished)")
-    for t in result["targets"]:
-        lines.append(common.target_line(t["target"], "", t["measured"], t["met"]).replace("target , ", ""))
+    lines += common.target_lines(result["targets"])
     lines.append(f"elapsed {result['elapsed_s']:.0f} s")
     return "\n".join(lines)
 
