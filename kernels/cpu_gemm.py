@@ -129,14 +129,19 @@ class Linear:
         return out.add_(F.linear(x, self.w_oi, self.bias))
 
 
-def _stored(weight_oi: torch.Tensor, layout: str) -> torch.Tensor:
+# Kept weights in the packed layouts go to huge pages (kernels/hugepages.py); the probes' copies do not.
+HUGE_PAGE_WEIGHTS = True
+
+
+def _stored(weight_oi: torch.Tensor, layout: str, kept: bool = False) -> torch.Tensor:
     if layout == "oi":
         return weight_oi
     if layout == "io":
         return weight_oi.t().contiguous()
+    huge = kept and HUGE_PAGE_WEIGHTS
     if layout == "pd":
-        return packed_gemm.pack_pairs(weight_oi)
-    return packed_gemm.pack(weight_oi)
+        return packed_gemm.pack_pairs(weight_oi, huge)
+    return packed_gemm.pack(weight_oi, huge)
 
 
 def _time(fn, x: torch.Tensor, scratch: torch.Tensor) -> float:
@@ -193,7 +198,7 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding
     weight_oi = weight_oi.contiguous()
     if packed_only:
         assert packed_gemm.available() and weight_oi.device.type == "cpu"
-        return Linear(packed_gemm.pack(weight_oi), bias, "pk", ("pk",) * (len(BUCKET_LIMITS) + 1),
+        return Linear(_stored(weight_oi, "pk", kept=True), bias, "pk", ("pk",) * (len(BUCKET_LIMITS) + 1),
                       int(weight_oi.shape[0]))
     if weight_oi.device.type != "cpu" or not autotune:
         return Linear(weight_oi, bias)
@@ -208,8 +213,7 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding
         if found is None:
             found = _plans[key] = _measure(weight_oi, layouts)
     layout, forms = found
-    # (2 MiB pages for the weights too were measured: no gain, unlike the KV cache)
-    return Linear(_stored(weight_oi, layout), bias, layout, forms, int(weight_oi.shape[0]))
+    return Linear(_stored(weight_oi, layout, kept=True), bias, layout, forms, int(weight_oi.shape[0]))
 
 
 def plans() -> dict[str, str]:

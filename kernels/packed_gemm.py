@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kernels import native
+from kernels import hugepages, native
 
 PANEL = 16
 
@@ -54,17 +54,25 @@ def available() -> bool:
 
 
 DTYPES = (torch.float32, torch.bfloat16)
+ARENA_MIN_BYTES = 1 << 20  # smaller packs (tests, tiny models) are ordinary tensors
+_arena = hugepages.Arena()  # the model's packed weights, in huge pages (kernels/hugepages.py says why)
 
 
-def pack(weight_oi: torch.Tensor) -> torch.Tensor:
+def _panels(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return _arena.empty(shape, dtype) if huge and nbytes >= ARENA_MIN_BYTES else torch.empty(shape, dtype=dtype)
+
+
+def pack(weight_oi: torch.Tensor, huge: bool = False) -> torch.Tensor:
     """``[out, in]`` float32 or bfloat16 weight -> panels ``[ceil(out/16), in, 16]`` of the same dtype
-    (zero-padded past ``out``)."""
+    (zero-padded past ``out``). ``huge``: in the huge-page arena (a weight kept for the model's life; never
+    for a throw-away copy, whose arena space would not come back)."""
     n, k = weight_oi.shape
     assert weight_oi.dtype in DTYPES, weight_oi.dtype
     np_ = -(-n // PANEL)
     padded = torch.zeros(np_ * PANEL, k, dtype=weight_oi.dtype)
     padded[:n] = weight_oi
-    return padded.view(np_, PANEL, k).transpose(1, 2).contiguous()
+    return _panels((np_, k, PANEL), weight_oi.dtype, huge).copy_(padded.view(np_, PANEL, k).transpose(1, 2))
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
@@ -96,15 +104,15 @@ def has_bf16_dot() -> bool:
     return lib is not None and bool(lib.has_bf16_dot())
 
 
-def pack_pairs(weight_oi: torch.Tensor) -> torch.Tensor:
+def pack_pairs(weight_oi: torch.Tensor, huge: bool = False) -> torch.Tensor:
     """``[out, in]`` weight (``in`` even) -> bfloat16 panels in k pairs ``[ceil(out/16), in/2, 16, 2]`` for
-    :func:`matmul_pairs` (zero-padded past ``out``)."""
+    :func:`matmul_pairs` (zero-padded past ``out``); ``huge`` as for :func:`pack`."""
     n, k = weight_oi.shape
     assert k % 2 == 0, "the pair layout needs an even input size"
     np_ = -(-n // PANEL)
     padded = torch.zeros(np_ * PANEL, k, dtype=torch.bfloat16)
     padded[:n] = weight_oi
-    return padded.view(np_, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return _panels((np_, k // 2, PANEL, 2), torch.bfloat16, huge).copy_(padded.view(np_, PANEL, k // 2, 2).permute(0, 2, 1, 3))
 
 
 def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:

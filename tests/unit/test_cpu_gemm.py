@@ -166,3 +166,40 @@ def test_build_without_split_k_matches_f_linear():
         y, packed = torch.empty(m, n), packed_gemm.pack(w)
         lib.gemm(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, n, k, 0)
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_packed
+def test_kept_packed_weights_share_the_huge_page_arena(monkeypatch):
+    """The planner's kept packs of at least ARENA_MIN_BYTES are carved one after another from the arena (so
+    many weights share 2 MiB pages) and multiply exactly as ordinary ones; the probes' copies are not."""
+    from kernels.hugepages import Arena
+
+    monkeypatch.setattr(packed_gemm, "_arena", Arena())  # a fresh one: earlier models may have filled a chunk
+    g = torch.Generator().manual_seed(13)
+    w1 = torch.randn(512, 576, generator=g)  # 1.2 MB of float32 panels
+    w2 = torch.randn(520, 576, generator=g)
+    a = cpu_gemm._stored(w1, "pk", kept=True)
+    b = cpu_gemm._stored(w2, "pk", kept=True)
+    probe = cpu_gemm._stored(w1, "pk")
+    assert b.data_ptr() == a.data_ptr() + a.nbytes  # adjacent: the same mapping (a.nbytes is 64-aligned)
+    assert probe.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    x = torch.randn(3, 576, generator=g)
+    torch.testing.assert_close(packed_gemm.matmul(x, a, 512), F.linear(x, w1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed_gemm.matmul(x, b, 520), F.linear(x, w2), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(a, probe, rtol=0, atol=0)
+
+
+def test_arena_carves_aligned_tensors_and_rolls_over():
+    from kernels.hugepages import Arena
+
+    arena = Arena(chunk_bytes=4 << 20, align=64)
+    t1 = arena.empty((100,), torch.float32)  # 400 bytes
+    t2 = arena.empty((10, 7), torch.bfloat16)
+    assert t2.data_ptr() == t1.data_ptr() + 448 and t2.data_ptr() % 64 == 0  # next 64-byte boundary
+    big = arena.empty((2 << 20,), torch.float32)  # 8 MiB: more than a chunk, a mapping of its own
+    after = arena.empty((4,), torch.float32)
+    assert big.numel() == 2 << 20 and after.data_ptr() != t2.data_ptr() + t2.nbytes
+    t1.fill_(1.0)
+    t2.fill_(2.0)
+    big.fill_(3.0)
+    assert t1.sum() == 100 and float(t2.float().sum()) == 140 and float(big[-1]) == 3.0  # no overlap
