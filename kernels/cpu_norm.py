@@ -1,5 +1,6 @@
-"""Small float32 CPU ops of the model's forward in one C call each: RMSNorm (``csrc/rms_norm.c``), RoPE on
-interleaved pairs (``csrc/rope.c``) and SwiGLU (``csrc/activation.c``), one library built by
+"""Small CPU ops of the model's forward in one C call each: RMSNorm (``csrc/rms_norm.c``), RoPE
+(``csrc/rope.c``: interleaved pairs in float32, rotate-half in bfloat16) and SwiGLU (``csrc/activation.c``),
+on float32 or bfloat16 rows (float32 arithmetic, one rounding per bfloat16 result), one library built by
 :mod:`kernels.native`.
 
 Why: at decode sizes each of these is a chain of small torch ops (RMSNorm ~10-30 us a call, 61 calls in a step
@@ -28,10 +29,14 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     lib = native.build("cpu_norm", SOURCES, defines)
     if lib is None:
         return None
-    lib.rms_norm_f32.argtypes = [_P, _I64, _P, _P, _I64, _I, _I, ctypes.c_float]
+    for name in ("rms_norm_f32", "rms_norm_bf16"):
+        getattr(lib, name).argtypes = [_P, _I64, _P, _P, _I64, _I, _I, ctypes.c_float]
     lib.rope_interleaved_f32.argtypes = [_P, _I64, _P, _I64, _I, _I, _I]
-    lib.silu_mul_f32.argtypes = [_P, _I64, _I, _I]
-    for name in ("rms_norm_f32", "rope_interleaved_f32", "silu_mul_f32"):
+    lib.rope_half_bf16.argtypes = [_P, _I64, _P, _P, _I64, _I, _I, _I]
+    for name in ("silu_mul_f32", "silu_mul_bf16"):
+        getattr(lib, name).argtypes = [_P, _I64, _I, _I]
+    for name in ("rms_norm_f32", "rms_norm_bf16", "rope_interleaved_f32", "rope_half_bf16", "silu_mul_f32",
+                 "silu_mul_bf16"):
         getattr(lib, name).restype = None
     lib.vector_width_level.restype = ctypes.c_int
     return lib
@@ -49,12 +54,13 @@ def path(lib: ctypes.CDLL | None = None) -> str | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x / sqrt(mean(x^2, -1) + eps) * weight`` as a new contiguous tensor: x float32 ``[T, H]`` with unit
-    stride along H, weight a dense float32 ``[H]``."""
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` as a new contiguous tensor: x float32 or bfloat16 ``[T, H]``
+    with unit stride along H, weight a dense ``[H]`` of the same dtype."""
     lib = lib or load()
     t, h = x.shape
-    y = torch.empty((t, h), dtype=torch.float32)
-    lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), h, t, h, eps)
+    y = torch.empty((t, h), dtype=x.dtype)
+    fn = lib.rms_norm_f32 if x.dtype == torch.float32 else lib.rms_norm_bf16
+    fn(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), h, t, h, eps)
     return y
 
 
@@ -66,10 +72,21 @@ def rope_interleaved_(x: torch.Tensor, heads: int, rot: torch.Tensor, lib: ctype
     lib.rope_interleaved_f32(x.data_ptr(), x.stride(0), rot.data_ptr(), rot.stride(0), t, heads, half)
 
 
+def rope_half_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+               lib: ctypes.CDLL | None = None) -> None:
+    """Rotate-half RoPE in place on the first ``heads`` heads of each bfloat16 row of ``x`` (``[T, >= heads *
+    D]``, unit stride along the row); ``cos`` and ``sin`` bfloat16 ``[T, D/2]`` with the same dense rows."""
+    lib = lib or load()
+    t, half = cos.shape
+    assert sin.stride() == cos.stride() and cos.stride(-1) == 1
+    lib.rope_half_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, heads, half)
+
+
 def silu_mul_(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """SwiGLU in place on float32 rows ``[T, 2 * inter]`` (unit stride along the row): the first half of each
-    row becomes ``silu(gate) * up``; returns that half (a strided view)."""
+    """SwiGLU in place on float32 or bfloat16 rows ``[T, 2 * inter]`` (unit stride along the row): the first
+    half of each row becomes ``silu(gate) * up``; returns that half (a strided view)."""
     lib = lib or load()
     t, two_inter = gate_up.shape
-    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), t, two_inter // 2)
+    fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
+    fn(gate_up.data_ptr(), gate_up.stride(0), t, two_inter // 2)
     return gate_up[:, : two_inter // 2]

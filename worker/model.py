@@ -157,7 +157,7 @@ class CausalLM:
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope_cache(min(c.max_model_len, 8192))
         self._fast_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
-        # float32 on CPU: one C call per norm, RoPE and SwiGLU (kernels/cpu_norm.py), a few us instead of
+        # float32 or bfloat16 on CPU: one C call per norm, RoPE and SwiGLU (kernels/cpu_norm.py), a few us instead of
         # torch's chains of small ops
         self.use_c_ops(True)
         self._contiguous_qkv = device.type != "cpu"
@@ -191,7 +191,8 @@ class CausalLM:
     def use_c_ops(self, on: bool) -> None:
         """Run RMSNorm, RoPE and SwiGLU as C calls (float32 on CPU where the library builds; the default) or as
         torch ops (what a machine without a C compiler runs; tests compare both)."""
-        self._c_ops = cpu_norm.load() if on and self.device.type == "cpu" and self.dtype == torch.float32 else None
+        self._c_ops = (cpu_norm.load() if on and self.device.type == "cpu"
+                       and self.dtype in (torch.float32, torch.bfloat16) else None)
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -215,7 +216,7 @@ class CausalLM:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (self._c_ops is not None and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
-                and weight.dtype == torch.float32):
+                and weight.dtype == x.dtype):
             return cpu_norm.rms_norm(x, weight, self.config.rms_norm_eps, self._c_ops)
         if self._fast_norm:
             return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
@@ -266,8 +267,8 @@ class CausalLM:
         if max_position is None:
             max_position = int(positions.max()) if t else 0
         cos, sin = self._rope(positions, max_position)
-        c_ops = self._c_ops if self._complex_rope else None  # float32 on CPU: RoPE and SwiGLU in C too
-        rot = torch.view_as_real(cos) if c_ops is not None else None  # [T, D/2, (cos, sin)]
+        c_ops = self._c_ops  # on CPU: RoPE and SwiGLU in C too
+        rot = torch.view_as_real(cos) if c_ops is not None and self._complex_rope else None  # [T, D/2, (cos, sin)]
         cos = cos[:, None, :]  # complex rotation [T, 1, D/2] on the complex path
         sin = sin[:, None, :]
         if meta.scale is None:
@@ -315,7 +316,10 @@ class CausalLM:
         t, qk_heads, d = qkv.shape[0], c.num_heads + c.num_kv_heads, c.head_dim
         qk_flat = qkv[:, : self.q_size + self.kv_size]
         if c_ops is not None and qkv.stride(-1) == 1:
-            cpu_norm.rope_interleaved_(qkv, qk_heads, rot, c_ops)
+            if self._complex_rope:
+                cpu_norm.rope_interleaved_(qkv, qk_heads, rot, c_ops)
+            else:  # bfloat16: cos and sin are [T, 1, D/2] views of dense [T, D/2] rows
+                cpu_norm.rope_half_(qkv, qk_heads, cos[:, 0], sin[:, 0], c_ops)
             return qk_flat.view(t, qk_heads, d)
         if self._complex_rope:
             qk = torch.view_as_complex(qk_flat.view(t, qk_heads, d // 2, 2))

@@ -67,5 +67,23 @@ void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t 
     }
 }
 
+/* bfloat16 rows and weight (the bfloat16 forward on CPUs with native bfloat16 matmuls): float32 sums and
+   scaling, one rounding of each output. Plain loops: at these sizes the cost saved is torch's dispatch. */
+void rms_norm_bf16(const uint16_t* x, int64_t xs, const uint16_t* w, uint16_t* y, int64_t ys, int T, int H,
+                   float eps) {
+    #pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
+    for (int t = 0; t < T; t++) {
+        const uint16_t* xr = x + (int64_t)t * xs;
+        uint16_t* yr = y + (int64_t)t * ys;
+        float s = 0.0f;
+        for (int i = 0; i < H; i++) {
+            const float v = load1(xr, i, 1);
+            s += v * v;
+        }
+        const float r = 1.0f / sqrtf(s / (float)H + eps);
+        for (int i = 0; i < H; i++) yr[i] = to_bf16((load1(xr, i, 1) * r) * load1(w, i, 1));
+    }
+}
+
 /* 2: AVX-512, 1: AVX2, 0: portable loops (what this build compiled in) */
 int vector_width_level(void) { return INFERQ_HAVE_AVX512 ? 2 : INFERQ_HAVE_AVX2 ? 1 : 0; }

@@ -46,6 +46,14 @@ ALWAYS_INLINE float load1(const void* p, int64_t i, const int bf16) {
     return f;
 }
 
+/* float32 -> bfloat16, rounded to nearest even (as torch rounds); a NaN stays a (quiet) NaN. */
+ALWAYS_INLINE uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 #if INFERQ_HAVE_AVX2
 #include <immintrin.h>
 

@@ -227,6 +227,25 @@ def test_bfloat16_runner_close_to_float32(tiny_dirs):
     torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.15, rtol=0.05)
 
 
+def test_bfloat16_c_ops_match_the_torch_ops(tiny_dirs):
+    """A bfloat16 model (where it computes in bfloat16) runs its norms, RoPE and SwiGLU as C calls; the logits
+    stay within bfloat16 rounding of the torch ops' (each C result is rounded once, torch's after each op)."""
+    runner = make_runner(tiny_dirs["llama"], dtype="bfloat16")
+    model = runner.model
+    if model.dtype != torch.bfloat16 or model._c_ops is None:
+        pytest.skip("this CPU computes bfloat16 models in float32 (no native bfloat16 matmul), or no C compiler")
+    prompt = prompts_for(200, [11], seed=6)[0]
+    logits = {}
+    for c_ops in (True, False):
+        model.use_c_ops(c_ops)
+        r = Request("x", prompt, SamplingParams(temperature=0))
+        r.block_table = [4, 2, 0]
+        logits[c_ops] = runner.compute_logits([(r, len(prompt))])[0]
+    model.use_c_ops(True)
+    assert not torch.equal(logits[True], logits[False])  # the C path really ran (a different rounding)
+    torch.testing.assert_close(logits[True], logits[False], atol=0.1, rtol=0.05)
+
+
 def _greedy_logits(runner, prompt, chunks, pool_seed):
     """Run one greedy request through ``chunks`` (tokens per step); the logits of every step that samples."""
     r = Request("x", prompt, SamplingParams(temperature=0))

@@ -1,4 +1,4 @@
-"""The C RMSNorm, RoPE and SwiGLU of the float32 CPU forward (kernels/cpu_norm.py) against torch references,
+"""The C RMSNorm, RoPE and SwiGLU of the CPU forward (kernels/cpu_norm.py; float32 and bfloat16) against torch references,
 in every build this CPU can run: its own (AVX-512 or AVX2), the AVX2 one (``INFERQ_NO_AVX512``) and the portable
 loops (``INFERQ_NO_AVX2``); odd sizes reach the scalar tails, strided rows the row strides, many rows the
 OpenMP split."""
@@ -61,3 +61,48 @@ def test_silu_mul_in_place(lib, t, inter):
     got = cpu_norm.silu_mul_(gu, lib)
     assert got.data_ptr() == gu.data_ptr()  # in place: the first half of each row
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _bf16_close(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """bfloat16 results of float32 arithmetic rounded once: within half a bfloat16 step of the exact value
+    (plus a hair for the order of the float32 sums)."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8 + 1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t, h", [(1, 576), (3, 577), (40, 64)])
+def test_rms_norm_bfloat16(lib, t, h):
+    g = torch.Generator().manual_seed(t * 7 + h)
+    x = (torch.randn(t, h + 5, generator=g)[:, 2:h + 2] * 3).bfloat16()
+    w = torch.randn(h, generator=g).bfloat16()
+    xf = x.float()
+    exact = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)) * w.float()
+    _bf16_close(cpu_norm.rms_norm(x, w, 1e-5, lib), exact)
+
+
+@pytest.mark.parametrize("t, heads, half", [(1, 12, 32), (5, 3, 7)])
+def test_rope_half_bfloat16(lib, t, heads, half):
+    """The rotate-half form (the checkpoint's q/k order, what the bfloat16 forward keeps) in place; the
+    columns past the rotated heads (v) untouched."""
+    g = torch.Generator().manual_seed(heads * 10 + half)
+    qkv = torch.randn(t, heads * 2 * half + 9, generator=g).bfloat16()
+    angle = torch.rand(t, half, generator=g) * 6.3
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    qk = qkv[:, : heads * 2 * half].float().view(t, heads, 2 * half)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]
+    exact = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).reshape(t, -1)
+    v_before = qkv[:, heads * 2 * half:].clone()
+    cpu_norm.rope_half_(qkv, heads, cos, sin, lib)
+    _bf16_close(qkv[:, : heads * 2 * half], exact)
+    assert torch.equal(qkv[:, heads * 2 * half:], v_before)
+
+
+@pytest.mark.parametrize("t, inter", [(1, 1536), (3, 13)])
+def test_silu_mul_bfloat16(lib, t, inter):
+    g = torch.Generator().manual_seed(inter + 1)
+    gu = (torch.randn(t, 2 * inter, generator=g) * 8).bfloat16()
+    exact = F.silu(gu[:, :inter].float()) * gu[:, inter:].float()
+    got = cpu_norm.silu_mul_(gu, lib)
+    assert got.data_ptr() == gu.data_ptr()
+    _bf16_close(got, exact)
