@@ -20,6 +20,9 @@ how close it comes to this machine's memory bandwidth.
    tok/s (decode: tokens after the first over the time after the first), TPOT p50/p95 and TTFT per engine;
    inferq also with the forward's norms, RoPE and SwiGLU as torch ops (``CausalLM.use_c_ops(False)``), the
    before of their C calls.
+   With ``--engines ...,inferq-service`` the same chats also go through the whole service (REST -> Redis ->
+   worker -> SSE, streaming chat completions, one at a time on an idle worker): its decode tok/s against
+   offline (target: within 5%) and the TTFT it adds (the queue hop; target < 10 ms at idle).
    llama.cpp's ``llama-server`` (``-np 1``, same threads, a GGUF converted from the same weights) is run when
    it has been built (``python -m bench.peers.llama_cpp build``); its TPOT is the server's own
    ``predicted_per_token_ms``, its TTFT the server's ``prompt_ms``.
@@ -30,6 +33,7 @@ Targets (issue 21): inferq >= 1.0x llama.cpp at the same dtype; >= 85% of the me
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections import defaultdict
@@ -333,6 +337,47 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
     return _stream_row("llama-cpp", ttft, tpot, decode_tokens, decode_time, outs)
 
 
+def service_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, log) -> dict:
+    """The same chats through the whole service, one at a time on an idle worker: ``POST
+    /v1/chat/completions`` with ``stream: true`` over REST -> Redis -> worker -> SSE (``bench.tiers.Stack``:
+    an API and a worker process on a throw-away database). TTFT is the first content chunk's arrival after the
+    request was sent; decode tok/s is the completion tokens after the first over the time from the first to
+    the last content chunk (the worker publishes each step's text as it is made)."""
+    import httpx
+
+    from bench.tiers import Stack
+
+    with Stack(model=str(model_dir), dtype=dtype, kv_cache_memory="256MiB", log=log) as stack:
+        ttft, tpot = [], []
+        decode_tokens, decode_time, tokens_out = 0, 0.0, 0
+        with httpx.Client(base_url=stack.url, headers=stack.headers, timeout=600) as c:
+            for k, chat in enumerate([chats[0], *chats]):  # the first one again, untimed: a warm-up
+                body = {"messages": chat, "max_tokens": max_tokens, "temperature": 0,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                t0, stamps, n = time.perf_counter(), [], 0
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            n = int(chunk["usage"]["completion_tokens"])
+                        if any((ch.get("delta") or {}).get("content") for ch in chunk.get("choices") or []):
+                            stamps.append(time.perf_counter())
+                if k == 0 or not stamps:
+                    continue
+                ttft.append(stamps[0] - t0)
+                tokens_out += n
+                if n > 1 and len(stamps) > 1:
+                    decode_tokens += n - 1
+                    decode_time += stamps[-1] - stamps[0]
+                    tpot += [(stamps[-1] - stamps[0]) / (n - 1)] * (n - 1)
+    row = _stream_row("inferq service (REST, SSE)", ttft, tpot, decode_tokens, decode_time, [])
+    row["output_tokens"] = tokens_out
+    return row
+
+
 def _stream_row(engine: str, ttft, tpot, decode_tokens, decode_time, outs) -> dict:
     return {"engine": engine, "requests": len(ttft), "output_tokens": sum(map(len, outs)),
             "decode_tok_s": decode_tokens / decode_time if decode_time else None,
@@ -366,6 +411,11 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
         read_gbs = read_bandwidth(256 if quick else 1024, 3 if quick else 5)  # just before the steps it judges
         rows = [breakdown(base, b, steps=steps) for b in BATCHES]
         streams = _with_and_without_c_ops(base, chats, max_tokens, repeats=1 if quick else 2)
+        if "inferq-service" in engines:
+            streams.append(service_stream(model_dir, dtype, chats, max_tokens, log))
+            offline, service = streams[0], streams[-1]
+            service["vs_offline"] = service["decode_tok_s"] / offline["decode_tok_s"]
+            service["ttft_hop_ms"] = service["ttft_p50_ms"] - offline["ttft_p50_ms"]
         if "llama-cpp" in engines:
             from bench.peers import llama_cpp
 
@@ -394,6 +444,12 @@ def _targets(result: dict) -> list[dict]:
         b1 = d["breakdown"][0]["achieved_gbs"] / d["read_gbs"]
         out.append({"target": f"{dtype}: batch-1 step at >= 85% of the measured read bandwidth", "measured": b1,
                     "met": b1 >= 0.85})
+        for row in d["streams"]:
+            if "vs_offline" in row:
+                out.append({"target": f"{dtype}: service decode tok/s within 5% of offline", "measured":
+                            row["vs_offline"], "met": row["vs_offline"] >= 0.95})
+                out.append({"target": f"{dtype}: service TTFT p50 - offline TTFT p50 (the queue hop, ms) < 10",
+                            "measured": row["ttft_hop_ms"], "met": row["ttft_hop_ms"] < 10})
         ratio = d["streams"][0].get("vs_llama_cpp")
         if ratio is not None:
             out.append({"target": f"{dtype}: single-stream decode tok/s >= 1.0x llama.cpp", "measured": ratio,
@@ -426,7 +482,8 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
         common.table(streams, [("engine", "engine"), ("requests", "requests"), ("output_tokens", "output tokens"),
                                ("decode_tok_s", "decode tok/s"), ("tpot_p50_ms", "TPOT p50 ms"),
                                ("tpot_p95_ms", "TPOT p95 ms"), ("ttft_p50_ms", "TTFT p50 ms"),
-                               ("vs_llama_cpp", "vs llama.cpp")])])
+                               ("vs_llama_cpp", "vs llama.cpp"), ("vs_offline", "vs offline"),
+                               ("ttft_hop_ms", "TTFT hop ms")])])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -144,7 +144,7 @@ def test_roofline_smoke(tiny, tmp_path):
 def test_latency_smoke(tiny, tmp_path):
     from bench import latency
 
-    latency.run(str(tiny), quick=True, out=tmp_path, log=_quiet)
+    latency.run(str(tiny), engines=("inferq", "inferq-service"), quick=True, out=tmp_path, log=_quiet)
     data = json.loads((tmp_path / "latency.json").read_text())
     assert data["read_gbs"] > 0.1
     d = data["dtypes"]["float32"]
@@ -164,7 +164,10 @@ def test_latency_smoke(tiny, tmp_path):
         assert all(parts[k] > 0 for k in ("qkv", "o", "gate_up", "down", "lm_head", "attention", "sampling"))
         assert abs(sum(parts.values()) - row["step_ms"]) < 1e-6 * row["step_ms"] + 1e-9  # the parts are the step
         assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6)
-    ours, torch_ops = d["streams"]
+    ours, torch_ops, service = d["streams"]
+    assert service["engine"].startswith("inferq service") and service["requests"] == ours["requests"]
+    assert service["output_tokens"] == sum(map(len, ours["outputs"]))  # greedy through the service: as many
+    assert service["vs_offline"] > 0 and service["ttft_p50_ms"] > 0
     assert ours["engine"] == "inferq" and torch_ops["engine"].startswith("inferq, torch")
     assert ours["outputs"] == torch_ops["outputs"] and 0 < len(ours["outputs"][0]) <= 8  # greedy: same tokens
     assert ours["decode_tok_s"] > 0 and ours["tpot_p50_ms"] > 0 and ours["ttft_p50_ms"] > 0
