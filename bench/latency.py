@@ -21,8 +21,8 @@ how close it comes to this machine's memory bandwidth.
    inferq also with the forward's norms, RoPE and SwiGLU as torch ops (``CausalLM.use_c_ops(False)``), the
    before of their C calls.
    With ``--engines ...,inferq-service`` the same chats also go through the whole service (REST -> Redis ->
-   worker -> SSE, streaming chat completions, one at a time on an idle worker): its decode tok/s against
-   offline (target: within 5%) and the TTFT it adds (the queue hop; target < 10 ms at idle).
+   worker -> SSE, streaming chat completions, one at a time on an idle worker, alternated with offline passes):
+   its decode tok/s against offline (target: within 5%) and the TTFT it adds (the queue hop; target < 10 ms at idle).
    llama.cpp's ``llama-server`` (``-np 1``, same threads, a GGUF converted from the same weights) is run when
    it has been built (``python -m bench.peers.llama_cpp build``); its TPOT is the server's own
    ``predicted_per_token_ms``, its TTFT the server's ``prompt_ms``.
@@ -337,42 +337,56 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
     return _stream_row("llama-cpp", ttft, tpot, decode_tokens, decode_time, outs)
 
 
-def service_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, log) -> dict:
-    """The same chats through the whole service, one at a time on an idle worker: ``POST
-    /v1/chat/completions`` with ``stream: true`` over REST -> Redis -> worker -> SSE (``bench.tiers.Stack``:
-    an API and a worker process on a throw-away database). TTFT is the first content chunk's arrival after the
-    request was sent; decode tok/s is the completion tokens after the first over the time from the first to
-    the last content chunk (the worker publishes each step's text as it is made)."""
+def service_vs_offline(base, model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int,
+                       repeats: int, log) -> tuple[dict, dict]:
+    """The same chats offline and through the whole service, alternated ``repeats`` times so the machine's
+    drift hits both (rows pooled per side). The service: ``POST /v1/chat/completions`` with ``stream: true``
+    over REST -> Redis -> worker -> SSE, one request at a time on an idle worker (``bench.tiers.Stack``: an API
+    and a worker process on a throw-away database), after an untimed warm-up. Its TTFT is the first content
+    chunk's arrival after the request was sent; decode tok/s the completion tokens after the first over the time
+    from the first to the last content chunk (the worker publishes each step's text as it is made)."""
     import httpx
 
     from bench.tiers import Stack
 
-    with Stack(model=str(model_dir), dtype=dtype, kv_cache_memory="256MiB", log=log) as stack:
-        ttft, tpot = [], []
-        decode_tokens, decode_time, tokens_out = 0, 0.0, 0
-        with httpx.Client(base_url=stack.url, headers=stack.headers, timeout=600) as c:
-            for k, chat in enumerate([chats[0], *chats]):  # the first one again, untimed: a warm-up
-                body = {"messages": chat, "max_tokens": max_tokens, "temperature": 0,
-                        "stream": True, "stream_options": {"include_usage": True}}
-                t0, stamps, n = time.perf_counter(), [], 0
-                with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage"):
-                            n = int(chunk["usage"]["completion_tokens"])
-                        if any((ch.get("delta") or {}).get("content") for ch in chunk.get("choices") or []):
-                            stamps.append(time.perf_counter())
-                if k == 0 or not stamps:
+    offline, service = [], []
+    # the worker's prefix cache off: each offline pass starts a fresh engine, so repeats must not hit a cache
+    with Stack(model=str(model_dir), dtype=dtype, kv_cache_memory="256MiB", extra={"enable_prefix_cache": False},
+               log=log) as stack, \
+            httpx.Client(base_url=stack.url, headers=stack.headers, timeout=600) as client:
+        _service_pass(client, chats[:1], max_tokens)  # warm-up
+        for _ in range(repeats):
+            offline.append(inferq_stream(base, chats, max_tokens))
+            service.append(_service_pass(client, chats, max_tokens))
+    return _pooled("inferq (offline, alternated with the service)", offline), \
+        _pooled("inferq service (REST, SSE)", service)
+
+
+def _service_pass(client, chats: list[list[dict]], max_tokens: int) -> dict:
+    ttft, tpot = [], []
+    decode_tokens, decode_time, tokens_out = 0, 0.0, 0
+    for chat in chats:
+        body = {"messages": chat, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        t0, stamps, n = time.perf_counter(), [], 0
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
                     continue
-                ttft.append(stamps[0] - t0)
-                tokens_out += n
-                if n > 1 and len(stamps) > 1:
-                    decode_tokens += n - 1
-                    decode_time += stamps[-1] - stamps[0]
-                    tpot += [(stamps[-1] - stamps[0]) / (n - 1)] * (n - 1)
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    n = int(chunk["usage"]["completion_tokens"])
+                if any((ch.get("delta") or {}).get("content") for ch in chunk.get("choices") or []):
+                    stamps.append(time.perf_counter())
+        if not stamps:
+            continue
+        ttft.append(stamps[0] - t0)
+        tokens_out += n
+        if n > 1 and len(stamps) > 1:
+            decode_tokens += n - 1
+            decode_time += stamps[-1] - stamps[0]
+            tpot += [(stamps[-1] - stamps[0]) / (n - 1)] * (n - 1)
     row = _stream_row("inferq service (REST, SSE)", ttft, tpot, decode_tokens, decode_time, [])
     row["output_tokens"] = tokens_out
     return row
@@ -412,8 +426,9 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
         rows = [breakdown(base, b, steps=steps) for b in BATCHES]
         streams = _with_and_without_c_ops(base, chats, max_tokens, repeats=1 if quick else 2)
         if "inferq-service" in engines:
-            streams.append(service_stream(model_dir, dtype, chats, max_tokens, log))
-            offline, service = streams[0], streams[-1]
+            offline, service = service_vs_offline(base, model_dir, dtype, chats, max_tokens,
+                                                  repeats=1 if quick else 3, log=log)
+            streams += [offline, service]
             service["vs_offline"] = service["decode_tok_s"] / offline["decode_tok_s"]
             service["ttft_hop_ms"] = service["ttft_p50_ms"] - offline["ttft_p50_ms"]
         if "llama-cpp" in engines:

@@ -164,7 +164,8 @@ def test_latency_smoke(tiny, tmp_path):
         assert all(parts[k] > 0 for k in ("qkv", "o", "gate_up", "down", "lm_head", "attention", "sampling"))
         assert abs(sum(parts.values()) - row["step_ms"]) < 1e-6 * row["step_ms"] + 1e-9  # the parts are the step
         assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6)
-    ours, torch_ops, service = d["streams"]
+    ours, torch_ops, offline, service = d["streams"]
+    assert offline["engine"].startswith("inferq (offline") and offline["outputs"] == ours["outputs"]
     assert service["engine"].startswith("inferq service") and service["requests"] == ours["requests"]
     assert service["output_tokens"] == sum(map(len, ours["outputs"]))  # greedy through the service: as many
     assert service["vs_offline"] > 0 and service["ttft_p50_ms"] > 0
