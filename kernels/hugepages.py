@@ -66,10 +66,7 @@ class Arena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised (in practice zero: fresh anonymous pages) contiguous tensor."""
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         with self._lock:
             start = -(-self._used // self.align) * self.align
             if self._chunk is None or start + nbytes > self._chunk.numel():

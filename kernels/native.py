@@ -17,7 +17,7 @@ sets themselves come from the compiler's own macros under ``-march=native``):
 - ``INFERQ_NO_AVX2``: leave every vector path out (the attention kernels keep their portable loops; the
   packed GEMM, which has none, then fails to build).
 - ``INFERQ_NO_SPLIT_K`` (packed GEMM): one accumulator set per row tile even for decode-sized tiles, the
-  before of the split-k change, for side-by-side timings (``bench/gemv.py``).
+  before of the split-k change, for side-by-side timings (``bench/latency.py``'s weights-alone pass).
 
 The attention kernels also switch paths at run time (``cpu_attention.use_avx512`` / ``use_generic``).
 """

@@ -120,7 +120,8 @@ class LLMEngine:
                             interactive_window_s=settings.interactive_window_seconds),
             self.block_manager,
         )
-        self.pacer = (StepPacer(settings.interactive_step_ms / 1000, ceiling=settings.max_batched_tokens)
+        self.pacer = (StepPacer(settings.interactive_step_ms / 1000, ceiling=settings.max_batched_tokens,
+                                floor=min(settings.max_num_seqs, settings.max_batched_tokens))
                       if settings.interactive_step_ms > 0 else None)
         self.speculation = _make_speculation(settings)
         self.stats = EngineStats()

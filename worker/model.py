@@ -157,8 +157,8 @@ class CausalLM:
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope_cache(min(c.max_model_len, 8192))
         self._fast_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
-        # float32 or bfloat16 on CPU: one C call per norm, RoPE and SwiGLU (kernels/cpu_norm.py), a few us instead of
-        # torch's chains of small ops
+        # float32 or bfloat16 on CPU: one C call per norm, RoPE and SwiGLU (kernels/cpu_norm.py), a few us
+        # instead of torch's chains of small ops
         self.use_c_ops(True)
         self._contiguous_qkv = device.type != "cpu"
 
@@ -189,8 +189,8 @@ class CausalLM:
         return cls(config, tensors, dtype=dt, device=dev, where=str(model_dir))
 
     def use_c_ops(self, on: bool) -> None:
-        """Run RMSNorm, RoPE and SwiGLU as C calls (float32 on CPU where the library builds; the default) or as
-        torch ops (what a machine without a C compiler runs; tests compare both)."""
+        """Run RMSNorm, RoPE and SwiGLU as C calls (float32 or bfloat16 on CPU where the library builds; the
+        default) or as torch ops (what a machine without a C compiler runs; tests compare both)."""
         self._c_ops = (cpu_norm.load() if on and self.device.type == "cpu"
                        and self.dtype in (torch.float32, torch.bfloat16) else None)
 

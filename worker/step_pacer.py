@@ -22,7 +22,7 @@ SMOOTHING = 0.2  # weight of the newest step in the running estimate
 class StepPacer:
     target_s: float
     ceiling: int  # the step's whole token budget
-    floor: int = 64  # never fewer: a full batch's decode steps always fit
+    floor: int = 64  # never fewer (the engine passes max_num_seqs: a full batch's decodes always fit)
     seconds_per_token: float | None = None
 
     def observe(self, tokens: int, seconds: float) -> int | None:
