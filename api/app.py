@@ -35,6 +35,7 @@ from api.schemas import Health, Readiness
 from api.validation import NO_NUL_PATTERN
 from inferq import __version__
 from inferq.db import make_engine, make_sessionmaker
+from inferq.jobs.backlog import model_queues
 from inferq.log import configure_logging, get_logger
 from inferq.models_registry import MAX_NAME_LENGTH as MAX_MODEL_NAME_LENGTH
 from inferq.models_registry import NAME_PATTERN as MODEL_NAME_PATTERN
@@ -243,9 +244,15 @@ def _readiness(state: AppState) -> JSONResponse:
         if not any(models.values()):
             checks["workers"] = ("no worker serves any model yet (a starting worker registers once its model is "
                                  "loaded)" if models else "no worker has registered a model")
+    queues: dict[str, dict[str, dict]] = {}
+    if checks["redis"] == "ok":
+        try:  # the autoscaling signal per model and tier (inferq/jobs/backlog.py); never decides readiness
+            queues = model_queues(state.redis, state.settings.stream_prefix, state.settings.consumer_group, models)
+        except Exception as exc:
+            log.warning("could not read the queue numbers for /readyz", error=first_line(exc))
     ok = all(v == "ok" for v in checks.values())
-    return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks, "models": models},
-                        status_code=200 if ok else 503)
+    return JSONResponse({"status": "ready" if ok else "unavailable", "checks": checks, "models": models,
+                         "queues": queues}, status_code=200 if ok else 503)
 
 
 def _refine_openapi(spec: dict[str, Any]) -> dict[str, Any]:

@@ -180,3 +180,11 @@ class Readiness(BaseModel):
         default_factory=dict, description="Every known model and the workers serving it now (from their "
         "heartbeats); a model whose workers all stopped is still known (jobs for it wait in its queue).",
         examples=[{"smollm2-135m-instruct": ["host-1234-ab12"]}])
+    queues: dict[str, dict[str, dict[str, float]]] = Field(
+        default_factory=dict, description="The autoscaling signal, per model and tier: `backlog` (jobs not yet "
+        "delivered to a worker), `pending` (delivered, not yet finished), `oldest_waiting_seconds` (the oldest "
+        "undelivered job's wait), `busy_seats` and `seats` (engine seats of the live workers: running this "
+        "tier's requests / all).",
+        examples=[{"smollm2-135m-instruct": {"interactive": {"backlog": 3, "pending": 8,
+                                                             "oldest_waiting_seconds": 1.2, "busy_seats": 8,
+                                                             "seats": 64}}}])

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api", "spec", "fairness", "latency")
+NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api", "spec", "fairness", "latency", "routing", "parallel",
+         "quality")
 API_MODES = ("submit", "openai", "batch")
 
 
@@ -37,6 +38,12 @@ def bench(
                                                    "submissions/s, no worker), openai (/v1/chat/completions vs "
                                                    "/v1/jobs), batch (Batch API vs one by one, interactive TTFT "
                                                    "meanwhile); default all three.")] = None,
+    methods: Annotated[str | None, typer.Option(help="spec: comma-separated proposers compared with off "
+                                                     "(ngram, early-exit, draft; default ngram); quality: the "
+                                                     "variants compared with float32 (default all).")] = None,
+    concurrencies: Annotated[str | None, typer.Option(help="spec: comma-separated client concurrencies "
+                                                           "(default 1,4,16,64).")] = None,
+    workloads: Annotated[str | None, typer.Option(help="spec: copy-heavy and/or mixed (default both).")] = None,
     batch_lines: Annotated[int | None, typer.Option(help="api: lines of the Batch API run (default 10000).")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option(help="KV-cache budget, e.g. 2GiB.")] = None,
     max_prompt: Annotated[int | None, typer.Option(help="Longest prompt (tokens).")] = None,
@@ -45,6 +52,8 @@ def bench(
                                                       "synthetic mixed workload.")] = None,
     out: Annotated[str | None, typer.Option(help="Results folder (default bench/results).")] = None,
     tag: Annotated[str | None, typer.Option(help="File stem of the results (default: the benchmark's name).")] = None,
+    tp: Annotated[str | None, typer.Option(help="parallel: comma-separated tensor-parallel sizes (default: 1 and "
+                                                "the smallest larger size that splits the model).")] = None,
     quick: Annotated[bool, typer.Option(help="Tiny sizes (a smoke run, seconds).")] = False,
     allow_slow_half: Annotated[bool, typer.Option(help="throughput: run bfloat16/float16 even on a CPU without a "
                                                        "native half-precision GEMM (hours, not minutes).")] = False,
@@ -144,6 +153,14 @@ def bench(
             kw["max_tokens"] = max_output
         if quick:
             kw.update(concurrencies=(1, 4), requests=requests or 4, max_tokens=max_output or 24)
+        if kv_cache_memory:
+            kw["kv_cache_memory"] = kv_cache_memory
+        if methods:
+            kw["methods"] = _csv(methods)
+        if concurrencies:
+            kw["concurrencies"] = tuple(int(c) for c in _csv(concurrencies) or ())
+        if workloads:
+            kw["workloads"] = _csv(workloads)
         spec.run(model, seed=seed, **kw)
     elif name == "fairness":
         from bench import fairness
@@ -166,6 +183,32 @@ def bench(
 
         latency.run(model, dtypes=dtypes or ("float32",), engines=_csv(engines) or ("inferq",),
                     max_tokens=max_output or 128, quick=quick, **kw)
+    elif name == "routing":
+        from bench import routing
+
+        if dtypes:
+            kw["dtype"] = dtypes[0]
+        if requests:
+            kw["requests"] = requests
+        if repeats > 1:
+            kw["repeats"] = repeats
+        if kv_cache_memory:
+            kw["kv_cache_memory"] = kv_cache_memory
+        if max_output:
+            kw["output_len"] = max_output
+        if rates:
+            kw["rate"] = float((_csv(rates) or ("1",))[0])
+        if quick:
+            kw.update(requests=requests or 12, groups=4, prefix_len=64, question_len=(4, 8), output_len=2)
+        routing.run(model, seed=seed, **kw)
+    elif name == "parallel":
+        _parallel(kw, model=model, dtype=dtypes, tp=tp, requests=requests, max_output=max_output, quick=quick)
+    elif name == "quality":
+        from bench import quality
+
+        if methods:  # the variants compared with float32 (bench/quality.py VARIANTS)
+            kw["variants"] = _csv(methods)
+        quality.run(model, quick=quick, **kw)
     elif name == "api":
         _api(kw, modes=_csv(modes) or API_MODES, model=model, dtype=dtypes, duration=duration, requests=requests,
              repeats=repeats, batch_lines=batch_lines, quick=quick)
@@ -196,3 +239,21 @@ def _api(kw: dict, *, modes: tuple[str, ...], model: str | None, dtype: tuple[st
         if batch_lines:
             opts["batch_lines"] = batch_lines
         api_openai.run(model, **opts)
+
+
+def _parallel(kw: dict, *, model: str | None, dtype: tuple[str, ...] | None, tp: str | None, requests: int | None,
+              max_output: int | None, quick: bool) -> None:
+    """``parallel``: TP=1 against TP=N (bench/parallel.py)."""
+    from bench import parallel
+
+    if dtype:
+        kw["dtype"] = dtype[0]
+    if tp:
+        kw["sizes"] = tuple(int(n) for n in _csv(tp) or ())
+    if requests:
+        kw["batch"] = requests
+    if max_output:
+        kw["decode_tokens"] = kw["batch_tokens"] = max_output
+    if quick:
+        kw.update(decode_tokens=max_output or 8, batch=requests or 4, batch_tokens=max_output or 4, prompt_len=16)
+    parallel.run(model, **kw)

@@ -1,12 +1,15 @@
-"""Speculative decoding: n-gram proposals against plain decoding, side by side in one invocation.
+"""Speculative decoding: each proposer (n-gram, early-exit, draft model) against plain decoding, side by side in
+one invocation.
 
 Two workloads with the default instruct model, EOS honoured, greedy:
 - copy-heavy: asked to repeat, or correct the typos of, paragraphs of the license texts the system ships
   (/usr/share/common-licenses), so answers quote long spans of their prompts: what prompt lookup is for;
 - mixed: the synthetic mixed workload (random token prompts), where proposals are rarely right.
 Each at client concurrency 1, 4, 16, 64 (that many requests in flight; the next is added when one ends),
-``off`` and ``ngram`` alternating on one loaded model. Reported: output tok/s, TPOT p50/p95, acceptance rate
-and mean accepted length, and whether greedy outputs were identical.
+``off`` and each of ``methods`` (default ngram; also early-exit, draft) in turn on one loaded model. Reported
+per method: output tok/s, TPOT p50/p95, acceptance rate, mean accepted length (accepted proposals per request
+step) and whether greedy outputs were identical to ``off``. The early-exit depth and the draft model come from
+the settings (INFERQ_SPECULATIVE_EARLY_EXIT_LAYERS, INFERQ_SPECULATIVE_DRAFT_MODEL) unless given.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def _drive(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) 
     pending = list(enumerate(prompts))
     times: dict[str, list[float]] = {}
     outputs: dict[str, list[int]] = {}
-    in_flight = 0
+    in_flight = emits = 0
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
@@ -85,6 +88,7 @@ def _drive(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) 
         for o in engine.step():
             now = time.perf_counter()
             times[o.request_id].extend([now] * len(o.new_token_ids or []))
+            emits += bool(o.new_token_ids)
             if o.finished:
                 outputs[o.request_id] = list(o.token_ids or [])
                 in_flight -= 1
@@ -95,57 +99,46 @@ def _drive(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) 
     return {"wall_s": wall, "output_tokens": st.completion_tokens, "output_tok_s": st.completion_tokens / wall,
             "tpot_p50_ms": 1000 * (common.percentile(tpot, 50) or 0), "tpot_p95_ms": 1000 * (common.percentile(tpot, 95) or 0),
             "proposed": st.spec_proposed_tokens, "accepted": st.spec_accepted_tokens, "steps": st.steps,
-            "outputs": outputs}
+            "request_steps": emits, "outputs": outputs}
 
 
 def run(model: str | None = None, *, dtype: str = "float32", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
         requests: int | None = None, max_tokens: int = 192, num_speculative_tokens: int = 4, seed: int = 0,
-        kv_cache_memory: str = "2GiB", out: str | Path | None = None, tag: str = "spec", log=print) -> dict:
+        kv_cache_memory: str = "2GiB", methods: tuple[str, ...] = ("ngram",),
+        workloads: tuple[str, ...] = ("copy-heavy", "mixed"), out: str | Path | None = None, tag: str = "spec",
+        log=print, **settings) -> dict:
+    """``settings``: more engine settings for the speculative runs (e.g. speculative_early_exit_layers)."""
     from bench.engines import InferqOffline
 
+    methods = tuple(m for m in methods if m != "off")
     model_dir = common.resolve_model_dir(model)
     info = common.machine_info(dtype)
     log(common.machine_line(info))
     t_start, load_start = time.perf_counter(), os.getloadavg()
     base = InferqOffline(model_dir, dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=64)
     rows = []
-    for workload in ("copy-heavy", "mixed"):
+    for workload in workloads:
         for c in concurrencies:
             n = requests or max(4, 2 * c)
             prompts = (copy_heavy(base.tokenizer, n, seed) if workload == "copy-heavy"
                        else mixed(base.info.vocab_size, n, seed))
             results = {}
-            for method in ("off", "ngram"):
+            for method in ("off", *methods):
+                extra = settings if method != "off" else {}
                 engine = base.new_engine(speculative_method=method, num_speculative_tokens=num_speculative_tokens,
-                                         max_num_seqs=max(c, 1))
+                                         max_num_seqs=max(c, 1), **extra)
                 results[method] = _drive(engine, prompts, c, max_tokens)
-            off, on = results["off"], results["ngram"]
-            row = {"workload": workload, "concurrency": c, "requests": n,
-                   "off_tok_s": off["output_tok_s"], "ngram_tok_s": on["output_tok_s"],
-                   "speedup": on["output_tok_s"] / off["output_tok_s"],
-                   "off_tpot_p50_ms": off["tpot_p50_ms"], "ngram_tpot_p50_ms": on["tpot_p50_ms"],
-                   "off_tpot_p95_ms": off["tpot_p95_ms"], "ngram_tpot_p95_ms": on["tpot_p95_ms"],
-                   "tpot_gain": off["tpot_p50_ms"] / on["tpot_p50_ms"] if on["tpot_p50_ms"] else None,
-                   "acceptance": on["accepted"] / on["proposed"] if on["proposed"] else None,
-                   "mean_accepted_per_step": on["output_tokens"] / on["steps"] if on["steps"] else None,
-                   "identical": off["outputs"] == on["outputs"]}
+            row = _row(workload, c, n, results)
             rows.append(row)
-            log(f"{workload} c={c}: off {row['off_tok_s']:.1f} tok/s, ngram {row['ngram_tok_s']:.1f} tok/s "
-                f"({row['speedup']:.2f}x), TPOT p50 {row['off_tpot_p50_ms']:.1f} -> {row['ngram_tpot_p50_ms']:.1f} ms, "
-                f"acceptance {common.fmt(row['acceptance'])}, identical {row['identical']}")
-    targets = []
-    one = next((r for r in rows if r["workload"] == "copy-heavy" and r["concurrency"] == 1), None)
-    if one:
-        targets.append({"target": "copy-heavy, concurrency 1: TPOT >= 2x better than off", "measured": one["tpot_gain"],
-                        "met": one["tpot_gain"] is not None and one["tpot_gain"] >= 2.0})
-    for r in rows:
-        if r["concurrency"] == max(concurrencies):
-            targets.append({"target": f"{r['workload']}, concurrency {r['concurrency']}: throughput >= 0.97x off",
-                            "measured": r["speedup"], "met": r["speedup"] >= 0.97})
-    targets.append({"target": "greedy outputs identical everywhere", "measured": float(all(r["identical"] for r in rows)),
-                    "met": all(r["identical"] for r in rows)})
+            log(f"{workload} c={c}: off {row['off_tok_s']:.1f} tok/s, TPOT p50 {row['off_tpot_p50_ms']:.1f} ms; "
+                + "; ".join(f"{m} {row[f'{m}_tok_s']:.1f} tok/s ({row[f'{m}_speedup']:.2f}x), TPOT p50 "
+                            f"{row[f'{m}_tpot_p50_ms']:.1f} ms, acceptance {common.fmt(row[f'{m}_acceptance'])}, "
+                            f"mean accepted {common.fmt(row[f'{m}_accepted_len'])}, identical {row[f'{m}_identical']}"
+                            for m in methods))
+    targets = _targets(rows, methods, concurrencies)
     result = {"benchmark": "spec", "machine": info, "model": str(model_dir), "rows": rows, "targets": targets,
-              "settings": {"max_tokens": max_tokens, "num_speculative_tokens": num_speculative_tokens},
+              "methods": list(methods),
+              "settings": {"max_tokens": max_tokens, "num_speculative_tokens": num_speculative_tokens, **settings},
               "elapsed_s": time.perf_counter() - t_start, "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     out_dir = common.results_dir(out)
     common.write_json(out_dir, tag, result)
@@ -153,15 +146,56 @@ def run(model: str | None = None, *, dtype: str = "float32", concurrencies: tupl
     return result
 
 
+def _row(workload: str, c: int, n: int, results: dict) -> dict:
+    """One case: ``off`` and, per method, its numbers and ratios against ``off``. ``ngram`` also fills the
+    unprefixed keys (speedup, tpot_gain, acceptance, identical) earlier results used."""
+    off = results["off"]
+    row = {"workload": workload, "concurrency": c, "requests": n, "off_tok_s": off["output_tok_s"],
+           "off_tpot_p50_ms": off["tpot_p50_ms"], "off_tpot_p95_ms": off["tpot_p95_ms"]}
+    for m, on in results.items():
+        if m == "off":
+            continue
+        row.update({f"{m}_tok_s": on["output_tok_s"], f"{m}_speedup": on["output_tok_s"] / off["output_tok_s"],
+                    f"{m}_tpot_p50_ms": on["tpot_p50_ms"], f"{m}_tpot_p95_ms": on["tpot_p95_ms"],
+                    f"{m}_tpot_gain": off["tpot_p50_ms"] / on["tpot_p50_ms"] if on["tpot_p50_ms"] else None,
+                    f"{m}_acceptance": on["accepted"] / on["proposed"] if on["proposed"] else None,
+                    f"{m}_accepted_len": on["accepted"] / on["request_steps"] if on["request_steps"] else None,
+                    f"{m}_identical": off["outputs"] == on["outputs"]})
+    if "ngram" in results:
+        on = results["ngram"]
+        row.update(speedup=row["ngram_speedup"], tpot_gain=row["ngram_tpot_gain"], acceptance=row["ngram_acceptance"],
+                   mean_accepted_per_step=on["output_tokens"] / on["steps"] if on["steps"] else None,
+                   identical=row["ngram_identical"])
+    return row
+
+
+def _targets(rows: list[dict], methods: tuple[str, ...], concurrencies: tuple[int, ...]) -> list[dict]:
+    targets = []
+    one = next((r for r in rows if r["workload"] == "copy-heavy" and r["concurrency"] == 1), None)
+    for m in methods:
+        if one:
+            gain = one[f"{m}_tpot_gain"]
+            targets.append({"target": f"{m}, copy-heavy, concurrency 1: TPOT >= 2x better than off", "measured": gain,
+                            "met": gain is not None and gain >= 2.0})
+        for r in rows:
+            if r["concurrency"] == max(concurrencies):
+                targets.append({"target": f"{m}, {r['workload']}, concurrency {r['concurrency']}: throughput >= "
+                                          "0.97x off", "measured": r[f"{m}_speedup"], "met": r[f"{m}_speedup"] >= 0.97})
+    same = all(r[f"{m}_identical"] for r in rows for m in methods)
+    targets.append({"target": "greedy outputs identical everywhere", "measured": float(same), "met": same})
+    return targets
+
+
 def report(result: dict) -> str:
-    lines = [common.machine_line(result["machine"]),
-             common.table(result["rows"], [("workload", "workload"), ("concurrency", "clients"),
-                                           ("off_tok_s", "off tok/s"), ("ngram_tok_s", "ngram tok/s"),
-                                           ("speedup", "ngram/off"), ("off_tpot_p50_ms", "off TPOT p50 ms"),
-                                           ("ngram_tpot_p50_ms", "ngram TPOT p50 ms"),
-                                           ("ngram_tpot_p95_ms", "ngram TPOT p95 ms"), ("tpot_gain", "TPOT gain"),
-                                           ("acceptance", "acceptance"),
-                                           ("mean_accepted_per_step", "tokens/step"), ("identical", "identical")])]
+    methods = result.get("methods", ["ngram"])
+    cols = [("workload", "workload"), ("concurrency", "clients"), ("off_tok_s", "off tok/s"),
+            ("off_tpot_p50_ms", "off TPOT p50 ms")]
+    for m in methods:
+        cols += [(f"{m}_tok_s", f"{m} tok/s"), (f"{m}_speedup", f"{m}/off"), (f"{m}_tpot_p50_ms", f"{m} TPOT p50 ms"),
+                 (f"{m}_tpot_p95_ms", f"{m} TPOT p95 ms"), (f"{m}_tpot_gain", f"{m} TPOT gain"),
+                 (f"{m}_acceptance", f"{m} acceptance"), (f"{m}_accepted_len", f"{m} accepted/step"),
+                 (f"{m}_identical", f"{m} identical")]
+    lines = [common.machine_line(result["machine"]), common.table(result["rows"], cols)]
     for t in result["targets"]:
         lines.append(common.target_line(t["target"], "", t["measured"], t["met"]))
     lines.append(f"elapsed {result['elapsed_s']:.0f} s")

@@ -71,16 +71,30 @@ class Settings(BaseSettings):
         "auto", description="Paged-attention implementation: auto (Triton on CUDA, else cpu), cpu (the C kernels "
         "where they apply, torch otherwise), torch (the portable torch path only, as on a machine without a C "
         "compiler; for checking that path), triton (CUDA).")
-    speculative_method: Literal["off", "ngram"] = Field(
-        "off", description="Speculative decoding: off, or ngram (prompt lookup: propose what followed the last "
-        "few tokens earlier in the prompt or output; verified in the same step, greedy and seeded output "
-        "unchanged). See docs/ENGINE.md.")
+    speculative_method: Literal["off", "ngram", "draft", "early-exit"] = Field(
+        "off", description="Speculative decoding: off; ngram (prompt lookup: propose what followed the last "
+        "few tokens earlier in the prompt or output); draft (a smaller model with the same tokenizer, "
+        "speculative_draft_model); early-exit (the target's first speculative_early_exit_layers layers). "
+        "Verified in the same step, greedy and seeded output unchanged. See docs/ENGINE.md.")
+    speculative_draft_model: str | None = Field(
+        None, description="Draft model (name or local HF directory, same tokenizer as the model) of the draft "
+        "method; its KV pool takes its share of kv_cache_memory (both pools get the same number of blocks).")
+    speculative_early_exit_layers: int | None = Field(
+        None, ge=1, description="Layers of the early-exit draft (default: a third of the model's, at least 1; "
+        "must be fewer than the model has).")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most proposals per request and step.")
     speculative_ngram_min: int = Field(2, ge=1, le=8, description="Shortest n-gram matched (ngram method).")
     speculative_ngram_max: int = Field(4, ge=1, le=8, description="Longest n-gram matched, tried first.")
     speculative_max_step_tokens: int = Field(
         32, ge=1, description="Proposals are made only while a step's decode tokens plus proposals stay "
         "within this: a larger step is compute-bound and speculation would only cost.")
+    quantization: Literal["none", "auto", "int8", "w8a8", "int4"] = Field(
+        "none", description="Weight quantisation (CPU): none; int8 (per-channel weights, float activations); "
+        "w8a8 (int8 weights; activations quantised per token where measured faster); int4 (group-wise, `quantization_group_size`; the LM head int8); auto (a model converted "
+        "from a GGUF, such as the default, serves the GGUF's own 4/8-bit blocks; any other model stays float). "
+        "Quality against float32: `python -m bench quality`.")
+    quantization_group_size: Literal[32, 64, 128, 256] = Field(
+        32, description="Inputs per int4 scale/zero-point group.")
     kv_cache_memory: str = Field("1GiB", description="KV-cache pool size, e.g. 2GiB.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV-cache element type; auto = the model's dtype. bfloat16 with a float32 model "
@@ -114,6 +128,14 @@ class Settings(BaseSettings):
         4, ge=0, description="Jobs of tenants with none on a worker that it reads beyond its engine's room, so a "
         "fair share can seat them at once instead of after a running job ends (0: read only what fits).")
     torch_threads: int | None = Field(None, description="torch intra-op threads (default: all cores).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks one worker splits the model across (Megatron-style: attention and KV heads, "
+        "MLP columns and the vocabulary; torch.distributed, gloo on CPU, nccl on CUDA). The worker process is "
+        "rank 0 and starts the others; the heads, KV heads and intermediate size must divide by it. See "
+        "docs/ENGINE.md, \"Tensor parallelism\".")
+    tensor_parallel_timeout_seconds: float = Field(
+        60.0, gt=0, description="Longest wait for one collective between tensor-parallel ranks before the "
+        "worker gives up on a rank (hung or dead) and exits.")
 
     # --- queue and worker ---------------------------------------------------------------------------
     stream_prefix: str = "inferq"
@@ -126,6 +148,19 @@ class Settings(BaseSettings):
     event_stream_maxlen: int = 10_000
     event_stream_ttl_seconds: int = 3600
     db_retry_max_seconds: float = 60.0
+    cache_routing: bool = Field(
+        True, description="Cache-aware routing across workers (inferq/routing.py, docs/SERVICE.md): with two or "
+        "more live workers of a model, a job is queued for the worker that owns its prompt prefix (rendezvous "
+        "hashing over the live workers), so a shared system prompt is reused from one worker's prefix cache; "
+        "any worker takes it once the owner is gone or the job waited cache_routing_max_wait_ms.")
+    cache_routing_max_wait_ms: float = Field(
+        500.0, ge=0.0, description="How long a routed job waits for its (live but saturated or slow) owner "
+        "before any other worker with room takes it.")
+    cache_routing_prefix_chars: int = Field(
+        128, ge=1, description="Characters of a text prompt (or of a chat's first message) that name its prefix "
+        "for routing (about this / 4 tokens: two blocks; prompts sharing less share no full block worth a detour).")
+    cache_routing_prefix_tokens: int = Field(
+        32, ge=1, description="Token ids of a prompt_ids prompt that name its prefix for routing (two blocks).")
 
     # --- API, quotas and webhooks ---------------------------------------------------------------------
     api_host: str = "127.0.0.1"

@@ -68,9 +68,22 @@ def generate(
                                               help="auto (the model's dtype), float32, bfloat16 or float16."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable prefix caching."),
     speculative_method: str | None = typer.Option(None, "--speculative-method",
-                                                  help="off or ngram (prompt lookup); docs/ENGINE.md."),
+                                                  help="off, ngram (prompt lookup), draft (a smaller model, "
+                                                  "--speculative-draft-model) or early-exit (the model's first "
+                                                  "layers); docs/ENGINE.md."),
+    speculative_draft_model: str | None = typer.Option(None, "--speculative-draft-model",
+                                                       help="Draft model (same tokenizer) of the draft method."),
+    speculative_early_exit_layers: int | None = typer.Option(None, "--speculative-early-exit-layers",
+                                                             help="Layers of the early-exit draft (default: a "
+                                                             "third of the model's)."),
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens",
                                                       help="Most tokens proposed per request and step."),
+    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", min=1,
+                                                    help="Split the model across this many ranks (processes) "
+                                                         "started by this one; docs/ENGINE.md."),
+    quantization: str | None = typer.Option(None, "--quantization",
+                                            help="none, int8, w8a8, int4, or auto (the default model's own 4-bit "
+                                            "GGUF blocks); docs/ENGINE.md, Quantised weights."),
     stats: Path | None = typer.Option(None, "--stats", help="Write engine statistics (JSON) here."),
 ) -> None:
     """Generate completions for every line of INPUT. Bad lines get an error row and never stop the run;
@@ -81,8 +94,11 @@ def generate(
 
     overrides: dict[str, Any] = {k: v for k, v in dict(
         model=model, policy=policy, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+        tensor_parallel_size=tensor_parallel_size, quantization=quantization,
         block_size=block_size, kv_cache_memory=kv_cache_memory, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-        speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens).items() if v is not None}
+        speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+        speculative_draft_model=speculative_draft_model,
+        speculative_early_exit_layers=speculative_early_exit_layers).items() if v is not None}
     if no_prefix_cache:
         overrides["enable_prefix_cache"] = False
     settings = load_settings(**overrides)

@@ -98,11 +98,14 @@ class LLMEngine:
 
             model_dir = resolve_model(settings.model, settings)
             runner = ModelRunner(
-                model_dir, dtype=settings.dtype, device=settings.device, kv_cache_bytes=settings.kv_cache_bytes,
+                model_dir, dtype=settings.dtype, device=settings.device, kv_cache_bytes=_target_kv_bytes(settings, model_dir),
                 kv_cache_dtype=settings.kv_cache_dtype, kv_cache_prefault=settings.kv_cache_prefault,
                 block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
                 max_batched_tokens=settings.max_batched_tokens, torch_threads=settings.torch_threads,
                 max_model_len=settings.max_model_len, attention_backend=settings.attention_backend,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                tensor_parallel_timeout=settings.tensor_parallel_timeout_seconds,
+                quantization=settings.quantization, quantization_group_size=settings.quantization_group_size,
             )
             if tokenizer is None:
                 from transformers import AutoTokenizer
@@ -123,7 +126,7 @@ class LLMEngine:
         self.pacer = (StepPacer(settings.interactive_step_ms / 1000, ceiling=settings.max_batched_tokens,
                                 floor=min(settings.max_num_seqs, settings.max_batched_tokens))
                       if settings.interactive_step_ms > 0 else None)
-        self.speculation = _make_speculation(settings)
+        self.speculation = _make_speculation(settings, runner)
         self.stats = EngineStats()
         self._tracks: dict[str, _Track] = {}
         self._done: dict[str, _Track] = {}  # tracks finished during the current step (still charged)
@@ -187,6 +190,8 @@ class LLMEngine:
         outputs = [self._final(r, time.monotonic()) for r in sched.finished if r.request_id in self._tracks]
         if not sched.scheduled:
             return outputs
+        if self.speculation is not None:
+            self.speculation.fill(sched.scheduled)
         usage = self.block_manager.usage
         before = [req.num_output_tokens for req, _ in sched.scheduled]
         sampled = self.runner.execute(sched.scheduled)
@@ -293,10 +298,20 @@ class LLMEngine:
         return done
 
 
-def _make_speculation(settings: Settings):
+def _make_speculation(settings: Settings, runner: Any):
     """The speculation policy the settings ask for, or None (``speculative_method=off``)."""
     if settings.speculative_method == "off":
         return None
     from worker.speculation import Speculation
 
-    return Speculation.from_settings(settings)
+    return Speculation.from_settings(settings, runner)
+
+
+def _target_kv_bytes(settings: Settings, model_dir: Any) -> int:
+    """The KV memory setting, less a draft model's pool (same block count as the target's) when there is one."""
+    if settings.speculative_method != "draft" or not settings.speculative_draft_model:
+        return settings.kv_cache_bytes
+    from worker.draft import split_kv_bytes
+    from worker.loader import resolve_model
+
+    return split_kv_bytes(settings.kv_cache_bytes, model_dir, resolve_model(settings.speculative_draft_model, settings))

@@ -12,6 +12,7 @@ matmul each); the config through ``worker.model_config``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,6 +121,35 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 # --- the model ----------------------------------------------------------------------------------------
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF a model directory was converted from (``worker.loader``'s marker), if it is still there."""
+    import json
+
+    from worker.loader import MARKER
+
+    try:
+        source = Path(json.loads((model_dir / MARKER).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if source.is_file() else None
+
+
+def _quantized_format(tensors: dict) -> str:
+    """"none", or the format of a checkpoint's pre-quantised weights ("int4" wins over "int8")."""
+    from kernels.quant import QuantizedWeight
+
+    fmts = {t.fmt for t in tensors.values() if isinstance(t, QuantizedWeight)}
+    return "int4" if "int4" in fmts else ("int8" if fmts else "none")
+
+
+def _linear_bytes(p) -> int:
+    """A projection's stored bytes (a quantised one reports its own; a float one its weight and bias)."""
+    if hasattr(p, "nbytes"):
+        return int(p.nbytes)
+    return p.weight.nbytes + (p.bias.nbytes if p.bias is not None else 0)
+
+
+
 class CausalLM:
     """Llama/Qwen2/Mistral decoder with fused projections, run on a flattened batch."""
 
@@ -132,6 +162,8 @@ class CausalLM:
         device: torch.device,
         where: str = "checkpoint",
         weight_dtype: torch.dtype | None = None,
+        quantization: str = "none",
+        group_size: int = 32,
     ) -> None:
         self.config = config
         self.dtype = dtype  # activations and arithmetic
@@ -143,7 +175,9 @@ class CausalLM:
         # RoPE as one complex multiply on float32: the weights' q/k rows are interleaved (worker/weights.py)
         self._complex_rope = dtype == torch.float32
         weights = load_weights(c, tensors, dtype=dtype, device=device, weight_dtype=self.weight_dtype,
-                               interleave_rope=self._complex_rope, where=where)
+                               interleave_rope=self._complex_rope, where=where, quantization=quantization,
+                               group_size=group_size)
+        self.quantization = quantization if quantization != "none" else _quantized_format(tensors)
         self.layers: list[LayerWeights] = weights.layers
         self.norm = weights.norm
         self.lm_head = weights.lm_head
@@ -161,16 +195,37 @@ class CausalLM:
         # instead of torch's chains of small ops
         self.use_c_ops(True)
         self._contiguous_qkv = device.type != "cpu"
+        # tensor parallelism (worker/tp_driver.py): sums the row-parallel o and down partial products over ranks
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
+        cls, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+        transform: Callable[[ModelConfig, dict], tuple[ModelConfig, dict]] | None = None,
+        quantization: str = "none", group_size: int = 32,
     ) -> CausalLM:
+        """``transform``: (config, tensors) -> (config, tensors) before loading (a tensor-parallel shard).
+        ``quantization``: "none"; "int8"/"w8a8"/"int4" (float weights quantised as they load); "auto" (a model
+        converted from a GGUF is read from that GGUF with its 4/8-bit blocks kept; any other stays float)."""
         model_dir = Path(model_dir)
         config = load_config(model_dir)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, config)
-        tensors = read_safetensors(model_dir)
+        if quantization != "none" and dev.type != "cpu":
+            raise ModelError("quantised weights run on CPU only so far (use --quantization none on CUDA)")
+        gguf = gguf_source(model_dir) if quantization == "auto" else None
+        if gguf is not None:
+            from worker.gguf_weights import read_gguf
+
+            get_logger(__name__).info("reading the GGUF's quantised blocks as they are", gguf=str(gguf))
+            tensors = read_gguf(gguf, config)
+        else:
+            tensors = read_safetensors(model_dir)
+        if transform is not None:
+            config, tensors = transform(config, tensors)
+        if gguf is not None or quantization in ("int8", "w8a8", "int4"):
+            return cls(config, tensors, dtype=dt, device=dev, where=str(gguf or model_dir),
+                       quantization="none" if gguf is not None else quantization, group_size=group_size)
         if (dev.type == "cpu" and dt == torch.bfloat16 and not cpu_half_gemm_is_native()
                 and packed_gemm.available()):
             # No native bfloat16 matmul (torch's fallback GEMM is ~25x slower than float32 here): keep the
@@ -187,6 +242,15 @@ class CausalLM:
                 "this CPU has no native bfloat16/float16 matrix multiply; expect it to be ~25x slower than "
                 "float32 (use --dtype float32)", dtype=str(dt).removeprefix("torch."))
         return cls(config, tensors, dtype=dt, device=dev, where=str(model_dir))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights a forward reads (quantised ones as stored), for logs and metrics."""
+        total = self.norm.nbytes + _linear_bytes(self.lm_head)
+        for layer in self.layers:
+            total += layer.input_norm.nbytes + layer.post_norm.nbytes
+            total += sum(_linear_bytes(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return total + (self.embed.nbytes if getattr(self, "embed", None) is not None else 0)
 
     def use_c_ops(self, on: bool) -> None:
         """Run RMSNorm, RoPE and SwiGLU as C calls (float32 or bfloat16 on CPU where the library builds; the
@@ -289,7 +353,7 @@ class CausalLM:
             attn = backend.forward(q, k, v, k_cache, v_cache, meta)
             attn = attn.reshape(t, self.q_size)
             # residual += attn W_o^T in place (the residual is always this forward's own tensor)
-            layer.o.add_to(residual, attn)
+            self._add_row_parallel(residual, layer.o, attn)
             h = self._norm(residual, layer.post_norm)
             gu = layer.gate_up(h, contiguous=False)  # SiLU-mul and the down GEMM take any strides
             inter = gu.shape[-1] // 2
@@ -297,7 +361,7 @@ class CausalLM:
                 act = cpu_norm.silu_mul_(gu, c_ops)
             else:
                 act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])  # SwiGLU in place (a strided view)
-            layer.down.add_to(residual, act)
+            self._add_row_parallel(residual, layer.down, act)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             if nxt is not None:
                 h = self._norm(residual, nxt)
@@ -307,6 +371,14 @@ class CausalLM:
         return self.lm_head(h).float()  # contiguous: the sampler's row-wise argmax is 3x slower on a transposed view
 
     __call__ = forward
+
+    def _add_row_parallel(self, residual: torch.Tensor, proj, x: torch.Tensor) -> None:
+        """``residual += x W^T``; under tensor parallelism each rank holds a slice of W's input columns, so
+        the partial products are summed over the ranks first (one all-reduce)."""
+        if self.all_reduce is None:
+            proj.add_to(residual, x)
+        else:
+            residual.add_(self.all_reduce(proj(x)))
 
     def _rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor | None,
                    c_ops) -> torch.Tensor:

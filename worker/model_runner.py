@@ -87,13 +87,33 @@ def _ranges(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum()), dtype=np.int64) - starts
 
 
-def _load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+                  group_size: int = 32) -> CausalLM:
     """The model's weights, their loading logged as it goes (it is most of a worker's start)."""
     started = time.monotonic()
-    log.info("loading weights", model_dir=str(model_dir), dtype=str(dtype), device=str(device))
-    model = CausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
-    log.info("weights loaded", seconds=round(time.monotonic() - started, 2))
+    log.info("loading weights", model_dir=str(model_dir), dtype=str(dtype), device=str(device),
+             quantization=quantization)
+    model = CausalLM.from_pretrained(model_dir, dtype=dtype, device=device, quantization=quantization,
+                                     group_size=group_size)
+    log.info("weights loaded", seconds=round(time.monotonic() - started, 2), weight_bytes=model.weight_bytes,
+             quantization=model.quantization)
     return model
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quantization: str, group_size: int,
+                tensor_parallel_size: int, attention_backend: str | AttentionBackend | None, threads: int | None,
+                tp_timeout: float):
+    """The model in this process, or (``tensor_parallel_size`` > 1) rank 0 of a tensor-parallel one: a
+    ``TPDriver`` with the same surface, the model sharded over ranks it starts (worker/tp_driver.py)."""
+    if tensor_parallel_size == 1:
+        return _load_weights(model_dir, dtype, device, quantization, group_size)
+    if quantization != "none":
+        raise ValueError("tensor parallelism with quantised weights is not supported yet (use one of them)")
+    from worker.tp_driver import TPDriver
+
+    return TPDriver(model_dir, world=tensor_parallel_size, dtype=dtype, device=device,
+                    attention_backend=getattr(attention_backend, "name", attention_backend), threads=threads,
+                    timeout=tp_timeout)
 
 
 class ModelRunner:
@@ -113,6 +133,10 @@ class ModelRunner:
         torch_threads: int | None = None,
         max_model_len: int | None = None,
         seed: int | None = None,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_timeout: float = 60.0,
+        quantization: str = "none",
+        quantization_group_size: int = 32,
     ) -> None:
         if torch_threads:
             torch.set_num_threads(int(torch_threads))
@@ -120,7 +144,8 @@ class ModelRunner:
         self.device = resolve_device(device)
         config = load_config(self.model_dir)
         self.dtype = resolve_dtype(dtype, self.device, config)
-        self.model = _load_weights(self.model_dir, self.dtype, self.device)
+        self.model = _load_model(self.model_dir, self.dtype, self.device, quantization, quantization_group_size,
+                                 tensor_parallel_size, attention_backend, torch_threads, tensor_parallel_timeout)
         info = model_info(self.model_dir, dtype=_DTYPE_NAMES.get(self.dtype, str(self.dtype)), config=config)
         if max_model_len:
             from dataclasses import replace
@@ -133,16 +158,7 @@ class ModelRunner:
         self.kv_dtype = self.dtype if kv_cache_dtype in ("auto", None) else resolve_dtype(kv_cache_dtype, self.device)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise ValueError("a KV-cache dtype other than the model's is supported on CPU only")
-        per_block = self.model.kv_bytes_per_block(self.block_size, self.kv_dtype)
-        self.num_blocks = int(kv_cache_bytes) // per_block
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"kv cache budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes: "
-                f"block_size {self.block_size} x {config.num_layers} layers x K/V)"
-            )
-        log.info("sizing the KV pool", blocks=self.num_blocks, tokens=self.num_blocks * self.block_size)
-        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype,
-                                                      prefault=kv_cache_prefault)
+        self._allocate_kv(int(kv_cache_bytes), config.num_layers, kv_cache_prefault)
         if isinstance(attention_backend, str) or attention_backend is None:
             self.backend = get_backend(self.device, attention_backend)
         else:
@@ -151,6 +167,23 @@ class ModelRunner:
         log.info("model runner ready", model_dir=str(self.model_dir), device=str(self.device), dtype=self.info.dtype,
                  kv_blocks=self.num_blocks, block_size=self.block_size, threads=torch.get_num_threads(),
                  attention=getattr(self.backend, "name", type(self.backend).__name__))
+
+    def _allocate_kv(self, kv_cache_bytes: int, num_layers: int, prefault: bool) -> None:
+        """The KV pool: as many blocks as the budget holds; its size per token and the weights' bytes logged
+        (and exported as metrics by the worker)."""
+        per_block = self.model.kv_bytes_per_block(self.block_size, self.kv_dtype)
+        self.num_blocks = kv_cache_bytes // per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv cache budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes: "
+                f"block_size {self.block_size} x {num_layers} layers x K/V)"
+            )
+        self.kv_bytes_per_token = per_block / self.block_size
+        self.weight_bytes = int(getattr(self.model, "weight_bytes", 0))
+        log.info("sizing the KV pool", blocks=self.num_blocks, tokens=self.num_blocks * self.block_size,
+                 kv_bytes_per_token=self.kv_bytes_per_token, weight_bytes=self.weight_bytes)
+        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype,
+                                                      prefault=prefault)
 
     # -- batch preparation ---------------------------------------------------------------------------
 

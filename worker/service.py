@@ -199,10 +199,12 @@ class Worker:
 
     def _write_stats(self, pipe: Any = None) -> None:
         """The worker's live numbers: the Redis stats hash (on ``pipe`` if given) and the gauges."""
+        self.metrics.engine_stats(self.engine)
+        seats = {f"busy_seats:{tier}": int(n) for tier, n in self.metrics.seats_by_tier().items()}
         self.consumer.write_stats({"busy_seconds": repr(self.busy_seconds()), "in_flight": self._in_flight(),
                                   "finalized": self.finalized, "pid": os.getpid(), "model": self.model,
+                                  "seats": self.settings.max_num_seqs, **seats,
                                   "updated_at": repr(time.time())}, pipe)
-        self.metrics.engine_stats(self.engine)
         self.metrics.inflight.set(self._in_flight())
 
     # --- admission -----------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ Separate from the loop so the queue protocol of docs/SERVICE.md reads in one pla
   over a tier's lanes (those of tenants this worker holds fewest jobs of first), so one tenant's backlog does
   not queue another's jobs behind it; plus up to ``newcomers`` jobs of tenants it holds none of, beyond the
   room (the engine's fair share seats them at once); a short BLOCK only when the worker is idle;
+* cache-aware routing (``inferq.routing``): a job may wait in a worker's *routed lane* (listed in the
+  tier's routes hash); a worker reads its own routed lanes like any lane, and takes from another worker's
+  (``_takeover``) only what ``routing.may_take`` allows: all of it once the owner's registry heartbeat has
+  expired, else the messages that waited ``cache_routing_max_wait_ms``; every worker reclaims idle pending
+  messages from every routed lane, so a dead owner strands nothing;
 * ``decode``: each message becomes a typed ``JobMessage``; malformed ones (or an unknown schema version) go to
   the dead-letter stream and are acknowledged;
 * ``keep_alive``: ``XCLAIM ... JUSTID`` resets the idle time of the messages this worker holds, so a live
@@ -31,7 +36,7 @@ from typing import Any
 
 import redis as redis_lib
 
-from inferq import jobs
+from inferq import jobs, routing
 from inferq.contract import (
     TIERS,
     JobMessage,
@@ -41,10 +46,13 @@ from inferq.contract import (
     lanes_key,
     stream_key,
 )
+from inferq.jobs import routes
+from inferq.models_registry import workers_key
 from inferq.settings import Settings
 from worker.metrics import WorkerMetrics
 
 LANE_REFRESH_SECONDS = 0.1  # how soon a new tenant's lane is read (one SMEMBERS per tier per refresh)
+ROUTE_PRUNE_SECONDS = 60.0  # how often a worker removes the empty routed lanes of long-gone workers
 
 
 @dataclass
@@ -76,11 +84,15 @@ class StreamConsumer:
         self.model = model
         # per tier (interactive first): the tier's own stream, then its tenant lanes
         self.lanes = {tier: [stream_key(self.prefix, model, tier)] for tier in TIERS}
+        # per tier: other workers' routed lanes -> their owner (taken over by _takeover, reclaimed from)
+        self.foreign: dict[str, dict[str, str]] = {tier: {} for tier in TIERS}
+        self.live: set[str] = set()  # the model's workers whose registry heartbeat is current
         self.metrics = metrics
         self.log = log
         self.pubsub: Any = None
         self.next_autoclaim = 0.0
         self.next_lane_refresh = 0.0
+        self.next_route_prune = time.monotonic() + ROUTE_PRUNE_SECONDS
         self.turn = 0  # rotates the lanes' round-robin start, read by read
 
     @property
@@ -88,13 +100,18 @@ class StreamConsumer:
         """Every stream this worker reads, interactive ones first."""
         return [lane for tier in TIERS for lane in self.lanes[tier]]
 
+    @property
+    def all_streams(self) -> list[str]:
+        """``streams`` plus the other workers' routed lanes (taken over and reclaimed from when due)."""
+        return self.streams + [lane for tier in TIERS for lane in self.foreign[tier]]
+
     def pipeline(self, transaction: bool = False) -> Any:
         return self.redis.pipeline(transaction=transaction)
 
     # --- set-up and cancellations --------------------------------------------------------------------------
 
     def ensure_groups(self, streams: Iterable[str] | None = None) -> None:
-        for stream in self.streams if streams is None else streams:
+        for stream in self.all_streams if streams is None else streams:
             try:
                 self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
             except redis_lib.ResponseError as exc:
@@ -102,19 +119,42 @@ class StreamConsumer:
                     raise
 
     def refresh_lanes(self, force: bool = False) -> None:
-        """Pick up tenant lanes created since the last look (their group starts at id 0: nothing is missed)."""
+        """Pick up tenant lanes and routed lanes created since the last look (their group starts at id 0:
+        nothing is missed), and the live workers."""
         now = time.monotonic()
         if not force and now < self.next_lane_refresh:
             return
         self.next_lane_refresh = now + LANE_REFRESH_SECONDS
+        if now >= self.next_route_prune:
+            self.next_route_prune = now + ROUTE_PRUNE_SECONDS
+            self._prune_routes()
         pipe = self.pipeline()
         for tier in TIERS:
             pipe.smembers(lanes_key(self.prefix, self.model, tier))
-        for tier, members in zip(TIERS, pipe.execute(), strict=True):
-            new = sorted(set(map(_text, members)) - set(self.lanes[tier]))
-            if new:
-                self.ensure_groups(new)
-                self.lanes[tier] += new
+            pipe.hgetall(routes.routes_key(self.prefix, self.model, tier))
+        pipe.zrangebyscore(workers_key(self.prefix, self.model), time.time(), "+inf")
+        res = pipe.execute()
+        self.live = set(map(_text, res[-1]))
+        for i, tier in enumerate(TIERS):
+            members, routed = res[2 * i], {_text(k): _text(v) for k, v in res[2 * i + 1].items()}
+            mine = {lane for lane, owner in routed.items() if owner == self.name}
+            new = sorted((set(map(_text, members)) | mine) - set(self.lanes[tier]))
+            foreign = {lane: owner for lane, owner in routed.items() if owner != self.name}
+            fresh = sorted(set(foreign) - set(self.foreign[tier]))
+            if new or fresh:
+                self.ensure_groups(new + fresh)
+            self.lanes[tier] += new
+            self.foreign[tier] = foreign
+
+    def _prune_routes(self) -> None:
+        """Remove long-gone workers' empty routed lanes (``routes.prune_routes``); a failure only delays it."""
+        try:
+            pruned = sum(routes.prune_routes(self.redis, self.prefix, self.model, tier) for tier in TIERS)
+        except redis_lib.ResponseError as exc:
+            self.log.warning("could not prune routed lanes", error=str(exc))
+            return
+        if pruned:
+            self.log.info("pruned the empty routed lanes of gone workers", count=pruned)
 
     def subscribe(self) -> None:
         try:
@@ -161,13 +201,16 @@ class StreamConsumer:
                                                          self.settings.claim_idle_ms / 2000))
                 got += self._autoclaim(n, held)
             load = Counter(m.stream for m in held())
-            lag = self._lags() if n > len(got) or newcomers > 0 else {}
+            info = self._group_info() if n > len(got) or newcomers > 0 else {}
+            lag = {stream: lag for stream, (lag, _) in info.items()}
             self.turn += 1
             for tier in TIERS:  # interactive first
                 want = n - len(got)
                 if want <= 0:
                     break
                 got += self._read_lanes(self._lane_order(tier, load), want, lag)
+                if n - len(got) > 0 and self.foreign[tier]:
+                    got += self._takeover(tier, n - len(got), info)
             if newcomers > 0:
                 load.update(m.stream for m in got)
                 idle = [lane for tier in TIERS for lane in self._lane_order(tier, load)
@@ -191,17 +234,56 @@ class StreamConsumer:
         k = self.turn % len(lanes)
         return sorted(lanes[k:] + lanes[:k], key=lambda lane: load[lane])
 
-    def _lags(self) -> dict[str, int | None]:
-        """Entries not yet delivered to the group, per stream (one round trip; XINFO GROUPS ``lag``). None when
-        Redis cannot say (an undelivered entry was deleted, no group yet): the stream may have some."""
+    def _group_info(self) -> dict[str, tuple[int | None, str | None]]:
+        """Per stream (``all_streams``, one round trip of XINFO GROUPS): the entries not yet delivered to the
+        group (``lag``; None when Redis cannot say: an undelivered entry was deleted, no group yet, so the
+        stream may have some) and the id last delivered."""
+        streams = self.all_streams
         pipe = self.pipeline()
-        for stream in self.streams:
+        for stream in streams:
             pipe.xinfo_groups(stream)
-        lags: dict[str, int | None] = {}
-        for stream, groups in zip(self.streams, pipe.execute(raise_on_error=False), strict=True):
+        info: dict[str, tuple[int | None, str | None]] = {}
+        for stream, groups in zip(streams, pipe.execute(raise_on_error=False), strict=True):
             mine = [g for g in groups if _text(g["name"]) == self.group] if isinstance(groups, list) else []
-            lags[stream] = mine[0].get("lag") if mine else None
-        return lags
+            last = mine[0].get("last-delivered-id") if mine else None
+            info[stream] = (mine[0].get("lag") if mine else None, _text(last) if last is not None else None)
+        return info
+
+    def _takeover(self, tier: str, want: int, info: Mapping[str, tuple[int | None, str | None]]) -> list[Message]:
+        """Up to ``want`` messages from other workers' routed lanes of ``tier`` that ``routing.may_take``
+        allows: any undelivered one when the owner is gone, else those that waited the bound (the oldest
+        undelivered entries, whose ids carry their enqueue time; Redis's clock, so skew cannot matter)."""
+        candidates = [(lane, owner) for lane, owner in self.foreign[tier].items() if info.get(lane, (None, None))[0] != 0]
+        if not candidates:
+            return []
+        for lane, _ in candidates:
+            if info.get(lane, (None, None)) == (None, None):  # no group: a pruned lane written to again
+                try:
+                    self.redis.xgroup_create(lane, self.group, id="0")
+                except redis_lib.ResponseError:  # BUSYGROUP, or the lane is gone (no stream is created)
+                    pass
+        pipe = self.pipeline()
+        pipe.time()
+        for lane, _ in candidates:
+            last = info.get(lane, (None, None))[1] or "0-0"
+            pipe.xrange(lane, min=f"({last}", count=want)
+        res = pipe.execute(raise_on_error=False)
+        if not isinstance(res[0], (list, tuple)):
+            return []
+        now_ms = int(res[0][0]) * 1000 + int(res[0][1]) // 1000
+        wait_s = self.settings.cache_routing_max_wait_ms / 1000
+        out: list[Message] = []
+        for (lane, owner), entries in zip(candidates, res[1:], strict=True):
+            if not isinstance(entries, list) or len(out) >= want:
+                continue
+            ages = [(now_ms - int(_text(mid).split("-")[0])) / 1000 for mid, _ in entries]
+            count = sum(1 for age in ages if routing.may_take(owner in self.live, age, wait_s))
+            count = min(count, want - len(out))
+            if count > 0:
+                out += self._read({lane: ">"}, count, None)
+        if out:
+            self.metrics.routed_taken_over.inc(len(out))
+        return out
 
     def _read_lanes(self, lanes: list[str], want: int, lag: Mapping[str, int | None]) -> list[Message]:
         """Up to ``want`` messages, as evenly over ``lanes`` as they have them: shares dealt one at a time in
@@ -234,11 +316,12 @@ class StreamConsumer:
     def _autoclaim(self, n: int, held: Callable[[], Iterable[Message]]) -> list[Message]:
         mine = {(m.stream, m.msg_id) for m in held()}
         out: list[Message] = []
+        streams = self.all_streams  # another worker's routed lane too: its owner may be dead
         pipe = self.pipeline()
-        for stream in self.streams:  # one round trip to find the streams with pending messages at all
+        for stream in streams:  # one round trip to find the streams with pending messages at all
             pipe.xpending(stream, self.group)
         pending = pipe.execute(raise_on_error=False)
-        for stream, summary in zip(self.streams, pending, strict=True):
+        for stream, summary in zip(streams, pending, strict=True):
             if not isinstance(summary, dict) or not summary.get("pending"):
                 continue
             if len(out) >= n:
@@ -309,9 +392,19 @@ class StreamConsumer:
         """Queue a fresh copy of the message (plus the job's enqueued-set entry when ``job_id``) and the ack of
         this one: a job given back at shutdown."""
         pipe.xadd(m.stream, {"m": m.raw})
+        tier = self._tier_of(m.stream)
+        if routing.ROUTE_SEPARATOR in m.stream and tier is not None:
+            routes.register_routed(pipe, self.prefix, self.model, tier, m.stream)
         if job_id:
             pipe.sadd(jobs.enqueued_key(self.prefix), job_id)
         self.ack(pipe, m, None)
+
+    def _tier_of(self, stream: str) -> str | None:
+        """The tier a stream of this model belongs to (its own stream, a tenant lane or a routed lane)."""
+        for tier in TIERS:
+            if stream.startswith(stream_key(self.prefix, self.model, tier)):
+                return tier
+        return None
 
     # --- numbers -----------------------------------------------------------------------------------------------
 
@@ -328,10 +421,12 @@ class StreamConsumer:
             self.log.warning("cannot write worker stats", error=str(exc))
 
     def queue_metrics(self) -> None:
-        """Depth, pending and oldest age per tier, summed over its lanes (labelled with the tier's stream)."""
+        """Depth, pending, backlog (not yet delivered) and oldest age per tier, summed over all its lanes,
+        routed ones included (labelled with the tier's stream)."""
+        streams = self.all_streams
         try:
             pipe = self.pipeline()
-            for stream in self.streams:
+            for stream in streams:
                 pipe.xlen(stream)
                 pipe.xrange(stream, count=1)
                 pipe.xpending(stream, self.group)
@@ -339,11 +434,11 @@ class StreamConsumer:
         except redis_lib.RedisError:
             return
         now_ms = time.time() * 1000
-        by_stream = {stream: res[3 * i: 3 * i + 3] for i, stream in enumerate(self.streams)}
+        by_stream = {stream: res[3 * i: 3 * i + 3] for i, stream in enumerate(streams)}
         for tier in TIERS:
             depth = pending = 0
             oldest: int | None = None
-            for lane in self.lanes[tier]:
+            for lane in [*self.lanes[tier], *self.foreign[tier]]:
                 d, first, p = by_stream[lane]
                 depth += d if isinstance(d, int) else 0
                 pending += p.get("pending", 0) if isinstance(p, dict) else 0
@@ -353,4 +448,5 @@ class StreamConsumer:
             label = self.lanes[tier][0]
             self.metrics.queue_depth.labels(label).set(depth)
             self.metrics.queue_pending.labels(label).set(pending)
+            self.metrics.queue_backlog.labels(label).set(max(0, depth - pending))
             self.metrics.queue_oldest_age.labels(label).set(0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000))

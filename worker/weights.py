@@ -12,26 +12,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, quant, quant_gemm
 from kernels.cpu_gemm import Linear
+from kernels.quant import QuantizedWeight
 from worker.model_config import ModelConfig, ModelError
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear  # q, k, v projections stacked (q and k rows permuted for the complex RoPE path)
-    o: Linear
+    qkv: Linear | quant_gemm.QuantLinear  # q, k, v stacked (q and k rows permuted for the complex RoPE path)
+    o: Linear | quant_gemm.QuantLinear
     post_norm: torch.Tensor
-    gate_up: Linear  # gate and up stacked
-    down: Linear
+    gate_up: Linear | quant_gemm.QuantLinear  # gate and up stacked
+    down: Linear | quant_gemm.QuantLinear
 
 
 @dataclass
 class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: Linear
+    lm_head: Linear | quant_gemm.QuantLinear
     embed_rows: Callable[[torch.Tensor], torch.Tensor]  # token ids -> embeddings in the model's dtype
     embed: torch.Tensor | None  # the embedding table, None when the lookup reads the tied head's rows
 
@@ -56,7 +57,8 @@ class _Reader:
     """Takes named tensors out of a checkpoint (each once), converted to the model's device and dtype."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], *, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, weight_dtype: torch.dtype, interleave_rope: bool, where: str) -> None:
+                 device: torch.device, weight_dtype: torch.dtype, interleave_rope: bool, where: str,
+                 quantization: str = "none", group_size: int = 32) -> None:
         # Normalise names: drop a leading "model." (and tolerate checkpoints saved without it).
         self.w = {name.removeprefix("model."): t for name, t in tensors.items()}
         self.config = config
@@ -65,23 +67,39 @@ class _Reader:
         self.weight_dtype = weight_dtype
         self.interleave_rope = interleave_rope
         self.where = where
+        # "none", "int8", "w8a8" or "int4": float weights quantised as loaded (w8a8: int8 whose products may
+        # quantise activations per token, where measured faster)
+        self.quantization = quantization
+        self.group_size = group_size
         half = config.head_dim // 2
         self._half_perm = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
 
-    def take(self, name: str, required: bool = True) -> torch.Tensor | None:
+    def take(self, name: str, required: bool = True) -> torch.Tensor | QuantizedWeight | None:
+        """A float tensor in the model's dtype, or a pre-quantised weight as the checkpoint holds it."""
         t = self.w.pop(name, None)
         if t is None:
             if required:
                 raise ModelError(f"{self.where}: missing weight {name!r}")
             return None
+        if isinstance(t, QuantizedWeight):
+            return t
         return t.to(device=self.device, dtype=self.dtype)
 
-    def cat(self, *parts: torch.Tensor | None) -> torch.Tensor | None:
+    def cat(self, *parts):
         if all(p is None for p in parts):
             return None
         if any(p is None for p in parts):
             raise ModelError(f"{self.where}: inconsistent biases")
-        return torch.cat(parts, dim=0).contiguous()  # type: ignore[arg-type]
+        if any(isinstance(p, QuantizedWeight) for p in parts):
+            if not all(isinstance(p, QuantizedWeight) for p in parts):  # e.g. a GGUF with q in Q4_1, k in F16
+                parts = tuple(p if isinstance(p, QuantizedWeight) else quant.quantize(p, self._fmt(parts))
+                              for p in parts)
+            return quant.cat(list(parts))
+        return torch.cat(parts, dim=0).contiguous()
+
+    @staticmethod
+    def _fmt(parts) -> str:
+        return next(p.fmt for p in parts if isinstance(p, QuantizedWeight))
 
     def rope_rows(self, t: torch.Tensor | None, heads: int) -> torch.Tensor | None:
         """RoPE as one complex multiply (float32): permute each q/k head's rows from HF's rotate-half layout
@@ -90,11 +108,25 @@ class _Reader:
         d = self.config.head_dim
         if t is None or not self.interleave_rope or t.shape[0] != heads * d:
             return t  # (a shape mismatch is reported by the caller)
+        if isinstance(t, QuantizedWeight):
+            return t.rows((torch.arange(heads)[:, None] * d + self._half_perm[None, :]).reshape(-1))
         return t.view(heads, d, *t.shape[1:])[:, self._half_perm].reshape(t.shape)
 
-    def linear(self, w_oi: torch.Tensor | None, b: torch.Tensor | None, embedding: bool = False) -> Linear:
-        """A projection planned for this CPU (kernels/cpu_gemm.py measures each one's layout and GEMM form)."""
+    def linear(self, w_oi, b: torch.Tensor | None, embedding: bool = False, head: bool = False):
+        """A projection planned for this CPU (kernels/cpu_gemm.py measures each one's layout and GEMM form;
+        kernels/quant_gemm.py the form of a quantised one). With ``quantization`` set, a float weight is
+        quantised first; the LM head to int8 whatever the format (the logits are the most sensitive product,
+        and int8 keeps its error well under int4's, as llama.cpp's 4-bit files do with a Q6/Q8 head)."""
         assert w_oi is not None  # take() raised for missing required weights
+        if not isinstance(w_oi, QuantizedWeight) and self.quantization != "none":
+            fmt = "int8" if head or self.quantization == "w8a8" else self.quantization
+            try:
+                w_oi = quant.quantize(w_oi, fmt, self.group_size)
+            except ValueError as exc:  # e.g. a width that is no whole number of int4 groups
+                raise ModelError(f"{self.where}: cannot quantise to {fmt}: {exc}") from exc
+        if isinstance(w_oi, QuantizedWeight):
+            return quant_gemm.plan(w_oi, None if b is None else b.float(), embedding=embedding,
+                                   int8_activations=self.quantization == "w8a8" and not head)
         if self.weight_dtype != self.dtype:  # only the packed kernel multiplies bfloat16 panels by float32 rows
             return cpu_gemm.plan(w_oi.to(self.weight_dtype), b, packed_only=True)
         return cpu_gemm.plan(w_oi, b, embedding=embedding)
@@ -137,24 +169,28 @@ def _load_head(r: _Reader, embed: torch.Tensor):
     # Some exports drop lm_head even without tie_word_embeddings; the embedding is the only sensible choice.
     if lm_head is None or r.config.tie_word_embeddings:
         lm_head = embed
-    else:
+    elif not isinstance(lm_head, QuantizedWeight):
         lm_head = lm_head.to(device=r.device, dtype=r.dtype)
     tied = lm_head is embed
-    head = r.linear(lm_head, None, embedding=tied)
+    head = r.linear(lm_head, None, embedding=tied, head=True)
     if not tied:
+        if isinstance(embed, QuantizedWeight):  # an untied pre-quantised table: looked up in float
+            embed = embed.dequantize(r.dtype)
         return head, (lambda ids, table=embed: F.embedding(ids, table)), embed
     rows, dtype = head.rows, r.dtype
-    return head, ((lambda ids: rows(ids).to(dtype)) if r.weight_dtype != r.dtype else rows), None
+    widen = r.weight_dtype != r.dtype or isinstance(head, quant_gemm.QuantLinear)  # rows come back float32
+    return head, ((lambda ids: rows(ids).to(dtype)) if widen else rows), None
 
 
 def load_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, interleave_rope: bool = False,
-                 where: str = "checkpoint") -> ModelWeights:
-    """The fused, planned weights of ``config``'s model from a checkpoint's tensors. ``weight_dtype``: the
-    projections' storage when it differs from the arithmetic ``dtype``; ``interleave_rope``: permute q/k rows
-    for the complex RoPE path."""
+                 where: str = "checkpoint", quantization: str = "none", group_size: int = 32) -> ModelWeights:
+    """The fused, planned weights of ``config``'s model from a checkpoint's tensors (float, or quantised as
+    read from a GGUF). ``weight_dtype``: the projections' storage when it differs from the arithmetic
+    ``dtype``; ``interleave_rope``: permute q/k rows for the complex RoPE path; ``quantization``: "int8" or
+    "int4" quantises float projections as they load (``group_size``: int4's)."""
     r = _Reader(tensors, config=config, dtype=dtype, device=device, weight_dtype=weight_dtype or dtype,
-                interleave_rope=interleave_rope, where=where)
+                interleave_rope=interleave_rope, where=where, quantization=quantization, group_size=group_size)
     embed = r.take("embed_tokens.weight")
     if embed.shape[0] < config.vocab_size:
         raise ModelError(f"{where}: embedding has {embed.shape[0]} rows, config vocab_size {config.vocab_size}")

@@ -75,19 +75,50 @@ def build(jobs: int = 2, log=print) -> Path:
     subprocess.run(["cmake", "-S", str(src), "-B", str(bdir), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
                     "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(bdir), "--target", "llama-server", "-j", str(jobs)], check=True)
+    subprocess.run(["cmake", "--build", str(bdir), "--target", "llama-server", "llama-quantize", "-j", str(jobs)],
+                   check=True)
     binary = server_binary()
     if binary is None:
         raise RuntimeError("llama-server did not build")
     return binary
 
 
+# llama.cpp's quantised types compared with inferq's formats: q8_0 straight from the converter; q4_0 by
+# llama-quantize from the f32 file; gguf-shipped: the file a GGUF-converted model came from (the default model's
+# own Q4_1, the very blocks inferq's --quantization auto serves)
+QUANTISED = ("q8_0", "q4_0", "gguf-shipped")
+
+
+def _quantize(model_dir: Path, kind: str, out: Path, log=print) -> Path:
+    binary = server_binary()
+    tool = binary.parent / "llama-quantize" if binary is not None else None
+    if tool is None or not tool.is_file():
+        raise RuntimeError("llama-quantize is not built (rebuild with `python -m bench.peers.llama_cpp build`)")
+    f32 = convert(model_dir, "float32", log=log)
+    log(f"quantising {f32.name} to {kind.upper()}")
+    subprocess.run([str(tool), str(f32), str(out.with_suffix(".tmp")), kind.upper()], check=True,
+                   capture_output=True)
+    out.with_suffix(".tmp").rename(out)
+    return out
+
+
 def convert(model_dir: Path, dtype: str, log=print) -> Path:
-    """GGUF of ``model_dir`` in f32 / bf16 with llama.cpp's converter (cached next to the build)."""
-    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
+    """GGUF of ``model_dir`` in f32 / bf16 / q8_0 with llama.cpp's converter, q4_0 with llama-quantize, or the
+    GGUF the model was converted from (``gguf-shipped``); cached next to the build."""
+    if dtype == "gguf-shipped":
+        from worker.model import gguf_source
+
+        shipped = gguf_source(Path(model_dir))
+        if shipped is None:
+            raise RuntimeError(f"{model_dir} was not converted from a GGUF")
+        return shipped
+    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}[dtype]
     out = home() / "gguf" / f"{Path(model_dir).name}-{outtype}.gguf"
     if out.exists():
         return out
+    if outtype == "q4_0":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return _quantize(Path(model_dir), outtype, out, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     src = source_dir()
     assert src is not None

@@ -16,6 +16,7 @@ import redis as redis_lib
 
 from inferq.contract import DEFAULT_WEIGHT, encode_message, lanes_key, stream_key
 from inferq.db import Job, unix_time
+from inferq.jobs import routes
 from inferq.settings import Settings
 
 
@@ -32,15 +33,22 @@ def enqueued_key(prefix: str) -> str:
     return f"{prefix}:enqueued"
 
 
-def _push(pipe: Any, settings: Settings, job: Job, payload: bytes) -> None:
+def _push(pipe: Any, settings: Settings, job: Job, payload: bytes, owner: str | None = None) -> None:
     """Queue the XADD of ``payload``: to the tenant's lane of the tier (registered in the lanes set) under fair
-    share, else to the tier's one stream."""
+    share, else to the tier's one stream; with an ``owner`` (cache-aware routing, ``inferq.jobs.routes``), to
+    that worker's routed lane of it instead (fairness lanes are kept: one routed lane per lane and owner)."""
+    prefix = settings.stream_prefix
+    lane = stream_key(prefix, job.model, job.tier, job.tenant_id if settings.fair_share else None)
+    if owner is not None:
+        routes.push_routed(pipe, prefix, job.model, job.tier, lane, owner, payload)
+        return
+    pipe.xadd(lane, {"m": payload})
     if settings.fair_share:
-        lane = stream_key(settings.stream_prefix, job.model, job.tier, job.tenant_id)
-        pipe.xadd(lane, {"m": payload})
-        pipe.sadd(lanes_key(settings.stream_prefix, job.model, job.tier), lane)
-    else:
-        pipe.xadd(stream_key(settings.stream_prefix, job.model, job.tier), {"m": payload})
+        pipe.sadd(lanes_key(prefix, job.model, job.tier), lane)
+
+
+def _owner(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> str | None:
+    return routes.choose_owner(redis, settings, job.model, job.request or {}, cache_namespace)
 
 
 def message_for(job: Job, cache_namespace: str, weight: float = DEFAULT_WEIGHT) -> bytes:
@@ -59,8 +67,9 @@ def enqueue(redis: Any, settings: Settings, job: Job, cache_namespace: str, weig
     """XADD the job's message to its stream and remember it in the enqueued set (one MULTI). ``weight``: the
     tenant's fair-share weight (carried in the message; the default when a caller has no tenant row at hand)."""
     payload = message_for(job, cache_namespace, weight)
+    owner = _owner(redis, settings, job, cache_namespace)
     pipe = redis.pipeline(transaction=True)
-    _push(pipe, settings, job, payload)
+    _push(pipe, settings, job, payload, owner)
     pipe.sadd(enqueued_key(settings.stream_prefix), job.id)
     msg_id = pipe.execute()[0]
     return msg_id.decode() if isinstance(msg_id, bytes) else msg_id
@@ -70,27 +79,28 @@ def enqueue_many(redis: Any, settings: Settings, jobs_ns: Sequence[tuple[Job, st
     """``enqueue`` for several jobs in one MULTI (one round trip); each item is ``(job, cache namespace)`` or
     ``(job, cache namespace, fair-share weight)``. A job that cannot be encoded does not hold up the others:
     they are enqueued, then ``Unenqueueable`` names the ones left out."""
-    payloads: list[tuple[Job, bytes]] = []
+    payloads: list[tuple[Job, bytes, str | None]] = []
     bad: dict[str, str] = {}
     for job, ns, *weight in jobs_ns:
         try:
-            payloads.append((job, message_for(job, ns, *weight)))
+            payloads.append((job, message_for(job, ns, *weight), _owner(redis, settings, job, ns)))
         except Unenqueueable as exc:
             bad.update(exc.reasons)
     if payloads:
         pipe = redis.pipeline(transaction=True)
-        for job, payload in payloads:
-            _push(pipe, settings, job, payload)
-        pipe.sadd(enqueued_key(settings.stream_prefix), *[job.id for job, _ in payloads])
+        for job, payload, owner in payloads:
+            _push(pipe, settings, job, payload, owner)
+        pipe.sadd(enqueued_key(settings.stream_prefix), *[job.id for job, _, _ in payloads])
         pipe.execute()
     if bad:
         raise Unenqueueable(bad)
 
 
 def tier_streams(redis: Any, prefix: str, model: str, tier: str) -> list[str]:
-    """Every stream a tier's jobs may wait in: the tier's own stream, then its tenants' lanes."""
+    """Every stream a tier's jobs may wait in: the tier's own stream, then its tenants' lanes, then the
+    routed lanes (cache-aware routing)."""
     lanes = sorted(m.decode() if isinstance(m, bytes) else m for m in redis.smembers(lanes_key(prefix, model, tier)))
-    return [stream_key(prefix, model, tier), *lanes]
+    return [stream_key(prefix, model, tier), *lanes, *sorted(routes.routed_lanes(redis, prefix, model, tier))]
 
 
 def queued_entries(redis: Any, prefix: str, model: str, tier: str) -> list[tuple[Any, dict]]:

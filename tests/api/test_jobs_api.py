@@ -278,8 +278,10 @@ def test_ops_endpoints(client, tenant, settings):
     assert client.get("/healthz").json() == {"status": "ok"}
     register_worker(settings, "w-ops")  # /readyz wants a worker serving a model (tests/api/test_admission.py)
     r = client.get("/readyz")
+    idle = {"backlog": 0, "pending": 0, "oldest_waiting_seconds": 0.0, "busy_seats": 0, "seats": 0}
     assert r.status_code == 200 and r.json() == {"status": "ready", "checks": {"database": "ok", "redis": "ok",
-                                                 "workers": "ok"}, "models": {settings.model: ["w-ops"]}}
+                                                 "workers": "ok"}, "models": {settings.model: ["w-ops"]},
+                                                 "queues": {settings.model: {"interactive": idle, "batch": idle}}}
     client.post("/v1/jobs", json=BODY, headers=tenant.headers)
     m = client.get("/metrics")
     assert m.status_code == 200

@@ -285,3 +285,17 @@ def test_kernel_microbenchmarks_smoke(capsys):
     cpu_kernels._prefill_case([20, 9], repeats=1)  # also checks the kernel against SDPA
     out = capsys.readouterr().out
     assert "M=    3" in out and "packed" in out and "prefill chunks [20, 9]" in out
+
+
+def test_routing_smoke(tiny, tmp_path):
+    """Two workers, routing on then off: every job succeeds in both modes and the numbers are reported (the
+    comparison itself is tests/integration/test_cache_routing.py's, with waves that make it deterministic)."""
+    from bench import routing
+
+    routing.run(str(tiny), requests=8, groups=2, prefix_len=48, question_len=(4, 8), output_len=2, rate=20.0,
+                kv_cache_memory="8MiB", out=tmp_path, log=_quiet)
+    data = json.loads((tmp_path / "routing.json").read_text())
+    rows = {r["routing"]: r for r in data["rows"]}
+    assert all(r["succeeded"] == r["requests"] == 8 for r in rows.values()), rows
+    assert all(0 <= r["hit_rate"] <= 1 and 0 <= r["on_owner_share"] <= 1 for r in rows.values()), rows
+    assert data["summary"]["on"]["ttft_p50_ms"] > 0

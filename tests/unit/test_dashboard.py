@@ -31,8 +31,9 @@ def _exported() -> dict[str, set[str]]:
     worker.jobs.labels("batch", "succeeded").inc()
     for hist in (worker.queue_time, worker.ttft, worker.tpot, worker.e2e):
         hist.labels("batch").observe(0.1)
-    for name in ("queue_depth", "queue_pending", "queue_oldest_age"):
+    for name in ("queue_depth", "queue_pending", "queue_oldest_age", "queue_backlog"):
         getattr(worker, name).labels("s").set(1)
+    worker.seats_busy.labels("batch").set(1)
     api.metrics.REQUESTS.labels("GET", "/x", "200").inc(0)
     api.metrics.SUBMITTED.labels("batch").inc(0)
     api.metrics.REJECTED.labels("quota").inc(0)
@@ -60,6 +61,26 @@ def test_every_promql_query_names_exported_metrics_and_labels():
         for group in _BY.findall(expr):
             for label in (g.strip() for g in group.split(",")):
                 assert label == "le" or label in labels, f"label {label!r} not on {names} (query: {expr})"
+
+
+def test_the_dashboard_has_the_panels_operators_need():
+    """Issue 17, item 4: per tier TTFT/TPOT/e2e percentiles, queue backlog and oldest-job age, KV usage and
+    prefix hit rate, tokens and cost per tenant (a panel for each, found by what its queries read)."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+
+    def panel_reading(*needles: str) -> list[str]:
+        return [p["title"] for p in panels
+                if all(any(n in (t.get("expr") or t.get("rawSql") or "") for t in p["targets"]) for n in needles)]
+
+    for hist in ("inferq_time_to_first_token_seconds", "inferq_time_per_output_token_seconds", "inferq_e2e_seconds"):
+        assert panel_reading(f"histogram_quantile(0.5, sum by (le, tier) (rate({hist}_bucket"), hist
+        assert panel_reading(f"histogram_quantile(0.95, sum by (le, tier) (rate({hist}_bucket"), hist
+    assert panel_reading("inferq_queue_backlog", "inferq_queue_pending")
+    assert panel_reading("inferq_queue_oldest_age_seconds")
+    assert panel_reading("inferq_kv_cache_usage_ratio", "inferq_prefix_cache_hit_rate")
+    assert panel_reading("inferq_engine_seats_busy")
+    assert panel_reading("cost_micros", "t.name")  # cost per tenant, from the ledger
+    assert panel_reading("completion_tokens", "t.name")  # tokens per tenant
 
 
 def test_every_sql_query_reads_real_tables_and_columns():

@@ -1,0 +1,178 @@
+"""Projections with quantised weights (:mod:`kernels.quant`), each product in the form this CPU runs fastest.
+
+The forms are torch's own CPU kernels (maintained, vectorised, AMX/VNNI where the CPU has them), not ours:
+
+- ``w8a16`` (int8): ``aten._weight_int8pack_mm``: bfloat16 rows times int8 weights, per-channel scales;
+  weight-only, so its error is the weight's alone. Fastest at decode sizes.
+- ``w8a8`` (int8): activations quantised per token on the fly (symmetric, one scale per row), then
+  ``torch._int_mm`` (int8 x int8 -> int32 with the CPU's integer dot products: AVX512-VNNI / AMX) and one
+  rescale. Fastest at prefill sizes, measured 2-4x float32 there on an AVX512-VNNI Xeon.
+- ``w4`` (int4): ``aten._weight_int4pack_mm_for_cpu``: bfloat16 rows, 4-bit weights unpacked in registers,
+  group-wise scales and zero points.
+- ``w4dq`` (int4): the weight de-quantised to bfloat16 for the call, then one bfloat16 GEMM: at large M the
+  unpacking is amortised over many rows.
+
+As :mod:`kernels.cpu_gemm` does for float weights, :func:`plan` times the candidate forms once per shape at
+load (the same M buckets, interleaved, best of several runs) and keeps the fastest per bucket; the choice is in
+:func:`plans` for logs and benchmark records. Arithmetic is float32 into and out of every form (bfloat16
+inside where the kernel needs it), so a quantised projection drops into a float32 or a bfloat16 model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_gemm import BUCKET_LIMITS, MAX_PROBE_FLOP, PROBE_M, SCRATCH_BYTES, _bucket
+from kernels.quant import QuantizedWeight
+
+FORMS = {"int8": ("w8a16", "w8a8"), "int4": ("w4", "w4dq")}
+# Per-token int8 activations lose the few outlier channels LLM hidden states carry (measured by ``bench
+# quality``: several times the KL of weight-only int8 on SmolLM2), so ``w8a8`` is a candidate only when asked for.
+WEIGHT_ONLY = {"int8": ("w8a16",), "int4": ("w4", "w4dq")}
+
+_plans: dict[tuple, tuple[str, ...]] = {}
+_lock = threading.Lock()
+
+
+def _int4_packed(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's int4 CPU layout: the packed codes and ``scales_and_zeros`` ``[in / group, out, 2]`` (bfloat16),
+    the output rows padded to a multiple of 16 (the kernel's tile; padded rows are zero weights)."""
+    assert q.zero is not None
+    n, k = q.codes.shape
+    pad = -n % 16
+    codes, scale, zero = q.codes, q.scale, q.zero
+    if pad:
+        codes = torch.cat((codes, torch.full((pad, k), 8, dtype=codes.dtype)))
+        scale = torch.cat((scale, torch.ones(pad, scale.shape[1])))
+        zero = torch.cat((zero, torch.zeros(pad, zero.shape[1])))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    sz = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
+    return packed, sz
+
+
+@dataclass
+class QuantLinear:
+    """``y = x W^T + b`` with ``W`` quantised; the same calls as :class:`kernels.cpu_gemm.Linear`.
+    ``forms[b]``: the product's form for M bucket ``b`` (one of ``FORMS[weight.fmt]``)."""
+
+    weight: QuantizedWeight
+    bias: torch.Tensor | None
+    forms: tuple[str, ...]
+    keep_rows: bool = False  # keep what :meth:`rows` reads (a tied head is also the embedding table)
+    _state: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        q = self.weight
+        if q.fmt == "int8":
+            self._state["scale_bf16"] = q.scale.to(torch.bfloat16)
+            self._state["codes_t"] = q.codes.t()  # ``_int_mm``'s [in, out] operand, a view of the same codes
+        else:
+            self._state["packed"], self._state["sz"] = _int4_packed(q)
+            if not self.keep_rows and "w4dq" not in self.forms:
+                # the packed copy is all the products read: drop the unpacked codes (twice its size)
+                self.weight = QuantizedWeight(q.fmt, q.codes[:0], q.scale, q.zero, q.group_size)
+        self._out = int(q.scale.shape[0])
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes if self.weight.codes.numel() else (
+            self._state["packed"].numel() * self._state["packed"].element_size() + self._state["sz"].numel() * 2)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the de-quantised weight (float32): the embedding lookup of a tied head."""
+        q = self.weight
+        codes = q.codes.index_select(0, ids).float()
+        if q.fmt == "int8":
+            return codes * q.scale.index_select(0, ids)[:, None]
+        assert q.zero is not None
+        n, k = codes.shape
+        g = codes.view(n, k // q.group_size, q.group_size)
+        return ((g - 8.0) * q.scale.index_select(0, ids)[..., None]
+                + q.zero.index_select(0, ids)[..., None]).view(n, k)
+
+    def _product(self, x: torch.Tensor, form: str) -> torch.Tensor:
+        s = self._state
+        if form == "w8a16":
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight.codes, s["scale_bf16"])
+        if form == "w8a8":
+            xf = x.float()
+            amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+            xq = torch.round(xf * (127.0 / amax)).to(torch.int8)
+            acc = torch._int_mm(xq, s["codes_t"])
+            return acc.float().mul_(amax * (1.0 / 127.0)).mul_(self.weight.scale)
+        if form == "w4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), s["packed"],
+                                                           self.weight.group_size, s["sz"])
+            return y if y.shape[1] == self._out else y[:, : self._out]
+        if form == "w4dq":
+            w = self.weight.dequantize(torch.bfloat16)
+            return F.linear(x.to(torch.bfloat16), w)
+        raise ValueError(f"unknown quantised form {form!r}")
+
+    def __call__(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+        y = self._product(x, self.forms[_bucket(x.shape[0])]).to(x.dtype)
+        return y.add_(self.bias) if self.bias is not None else y
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out += x W^T + b`` in place."""
+        return out.add_(self(x))
+
+
+def _measure(q: QuantizedWeight, forms: tuple[str, ...]) -> tuple[str, ...]:
+    """The fastest of ``forms`` per M bucket for this shape, timed interleaved with a cold weight (as a model
+    step reads it), best of a few runs."""
+    n, k = q.shape
+    if len(forms) == 1:
+        return forms * (len(BUCKET_LIMITS) + 1)
+    lins = {f: QuantLinear(q, None, (f,) * len(PROBE_M), keep_rows=True) for f in forms}
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(m, k, generator=gen) for m in PROBE_M if 2 * m * n * k <= MAX_PROBE_FLOP]
+    scratch = torch.zeros(SCRATCH_BYTES // 4)
+    best = {(f, i): float("inf") for f in forms for i in range(len(xs))}
+    with torch.inference_mode():
+        for i, x in enumerate(xs):
+            for lin in lins.values():
+                lin(x)
+            for r in range(4 if n * k * x.shape[0] < 2e8 else 2):
+                for f in forms if r % 2 == 0 else reversed(forms):
+                    scratch.add_(1.0)
+                    t = time.perf_counter()
+                    lins[f](x)
+                    best[f, i] = min(best[f, i], time.perf_counter() - t)
+    chosen = tuple(min(forms, key=lambda f, i=i: best[f, i]) for i in range(len(xs)))
+    return chosen + chosen[-1:] * (len(BUCKET_LIMITS) + 1 - len(chosen))
+
+
+def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: bool = False,
+         autotune: bool = True, int8_activations: bool = False) -> QuantLinear:
+    """A :class:`QuantLinear` for ``q``, its form per M bucket measured once per shape and format in this
+    process (``autotune=False``: the first form everywhere, for tests). ``embedding``: the weight is also the
+    embedding table (kept readable by :meth:`QuantLinear.rows`); ``int8_activations``: W8A8 is a candidate.
+    """
+    forms = FORMS[q.fmt] if int8_activations else WEIGHT_ONLY[q.fmt]
+    key = (tuple(q.shape), q.fmt, q.group_size, forms, torch.get_num_threads())
+    with warnings.catch_warnings(), _lock:
+        found = _plans.get(key)
+        if found is None:
+            found = _measure(q, forms) if autotune else (forms[0],) * (len(BUCKET_LIMITS) + 1)
+            if autotune:
+                _plans[key] = found
+    return QuantLinear(q, bias, found, keep_rows=embedding)
+
+
+def plans() -> dict[str, str]:
+    """The forms chosen so far: ``"out x in fmt" -> "form per M bucket"``."""
+    with _lock:
+        return {f"{k[0][0]}x{k[0][1]} {k[1]}{'/g' + str(k[2]) if k[2] else ''}"
+                f"{' a8' if 'w8a8' in k[3] else ''}": "/".join(v)
+                for k, v in _plans.items()}

@@ -1,0 +1,124 @@
+"""Quantised weights in the model (issue 15): float checkpoints quantised at load (tiny random Llama/Qwen2),
+the default model's own 4-bit GGUF blocks served as they are, judged against float32 on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferq.settings import Settings
+from scheduler.request import Request, SamplingParams
+from tests.integration.test_smollm2_vs_hf import smollm_dir  # noqa: F401 - fixture
+from worker.engine import LLMEngine
+from worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_model(request, tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
+
+
+def _last_logits(model_dir, prompt: list[int], **opts) -> torch.Tensor:
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", kv_cache_bytes=4 << 20, block_size=4, **opts)
+    req = Request("r", prompt, SamplingParams(max_tokens=1))
+    runner_blocks = -(-len(prompt) // 4)
+    req.block_table = list(range(runner_blocks))
+    return runner.compute_logits([(req, len(prompt))])[0]
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p, q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+@pytest.mark.parametrize(("quantization", "max_kl"), [("int8", 1e-3), ("w8a8", 2e-2), ("int4", 5e-2)])
+def test_quantised_logits_stay_close_to_float32(tiny_model, quantization, max_kl):
+    prompt = [(7 * i + 3) % 300 + 3 for i in range(21)]
+    ref = _last_logits(tiny_model, prompt)
+    got = _last_logits(tiny_model, prompt, quantization=quantization)
+    kl = _kl(ref, got)
+    assert 0.0 < kl < max_kl, kl  # not identical (the weights really are quantised), and close
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantised_engine_runs_prefill_chunks_and_decode(tiny_model, quantization):
+    eng = LLMEngine(Settings(model=str(tiny_model), device="cpu", dtype="float32", block_size=4,
+                             kv_cache_memory="256KiB", max_batched_tokens=8, torch_threads=1,
+                             quantization=quantization))
+    assert eng.runner.model.quantization == quantization
+    for i in range(3):
+        eng.add_request(Request(f"q{i}", [5 + i] * (11 + i), SamplingParams(max_tokens=6, temperature=0.0)))
+    outs = eng.run_until_done()
+    assert sorted(o.request_id for o in outs) == ["q0", "q1", "q2"]
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert eng.runner.weight_bytes < ModelRunner(tiny_model, device="cpu", dtype="float32",
+                                                 kv_cache_bytes=1 << 20).weight_bytes
+
+
+def test_a_width_that_is_no_whole_number_of_groups_is_a_clear_error(tmp_path):
+    from tests.tiny_models import make_tiny_model
+    from worker.model import ModelError
+
+    model = make_tiny_model(tmp_path, hidden_size=96, intermediate_size=192)  # 96 inputs: no group of 64
+    with pytest.raises(ModelError, match="cannot quantise to int4.*multiple of the int4 group size 64"):
+        ModelRunner(model, device="cpu", dtype="float32", kv_cache_bytes=1 << 20, quantization="int4",
+                    quantization_group_size=64)
+
+
+def test_auto_on_a_plain_checkpoint_stays_float(tiny_model):
+    runner = ModelRunner(tiny_model, device="cpu", dtype="float32", kv_cache_bytes=1 << 20, quantization="auto")
+    assert runner.model.quantization == "none"
+
+
+# --- the default model's GGUF, 4-bit as shipped ---------------------------------------------------------------
+
+
+def test_the_default_gguf_is_served_at_4_bits_with_a_sensible_answer(smollm_dir):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from kernels.quant_gemm import QuantLinear
+
+    eng = LLMEngine(Settings(model=str(smollm_dir), device="cpu", dtype="float32", kv_cache_memory="64MiB",
+                             quantization="auto"))
+    model = eng.runner.model
+    assert model.quantization == "int4"
+    layer = model.layers[0]
+    assert all(isinstance(p, QuantLinear) and p.weight.fmt == "int4" for p in (layer.qkv, layer.o, layer.gate_up,
+                                                                               layer.down))
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.weight.fmt == "int8"  # Q8_0 in the file
+    assert eng.runner.weight_bytes < 130e6  # float32: ~540 MB
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    answers = {}
+    for i, (question, expected) in enumerate([("What is 2 + 2? Answer with the number only.", "4"),
+                                              ("What is the opposite of hot?", "cold"),
+                                              ("What is the largest ocean on Earth?", "pacific")]):
+        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                      tokenize=False)
+        eng.add_request(Request(f"a{i}", tok.encode(ids, add_special_tokens=False),
+                                SamplingParams(max_tokens=16, temperature=0.0)))
+        answers[f"a{i}"] = expected
+    for out in eng.run_until_done():
+        assert answers[out.request_id] in out.text.lower(), out.text
+
+
+def test_the_gguf_blocks_equal_the_converted_float_weights(smollm_dir):  # noqa: F811
+    """The 4-bit blocks read as ours de-quantise to exactly the float weights transformers converted (the
+    float32 reference of ``bench quality`` is these same weights)."""
+    from safetensors.torch import load_file
+
+    from kernels.quant import QuantizedWeight
+    from worker.gguf_weights import read_gguf
+    from worker.model import gguf_source, load_config
+
+    ours = read_gguf(gguf_source(smollm_dir), load_config(smollm_dir))
+    ref = load_file(str(smollm_dir / "model.safetensors"))
+    assert set(ours) == set(ref)
+    for name, w in ours.items():
+        if isinstance(w, QuantizedWeight) and w.fmt == "int4":
+            torch.testing.assert_close(w.dequantize(), ref[name].float(), atol=0, rtol=0)
+        elif not isinstance(w, QuantizedWeight):
+            torch.testing.assert_close(w, ref[name].float(), atol=0, rtol=0)
