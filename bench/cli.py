@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 NAMES = ("throughput", "prefix", "memory", "roofline", "tiers", "api", "spec", "fairness", "latency", "routing", "parallel",
-         "quality")
+         "quality", "quant")
 API_MODES = ("submit", "openai", "batch")
 
 
@@ -39,8 +39,9 @@ def bench(
                                                    "/v1/jobs), batch (Batch API vs one by one, interactive TTFT "
                                                    "meanwhile); default all three.")] = None,
     methods: Annotated[str | None, typer.Option(help="spec: comma-separated proposers compared with off "
-                                                     "(ngram, early-exit, draft; default ngram); quality: the "
-                                                     "variants compared with float32 (default all).")] = None,
+                                                     "(ngram, early-exit, draft; default ngram); quality and "
+                                                     "quant: the variants compared with float32 (default all)."
+                                                     )] = None,
     concurrencies: Annotated[str | None, typer.Option(help="spec: comma-separated client concurrencies "
                                                            "(default 1,4,16,64).")] = None,
     workloads: Annotated[str | None, typer.Option(help="spec: copy-heavy and/or mixed (default both).")] = None,
@@ -203,6 +204,14 @@ def bench(
         routing.run(model, seed=seed, **kw)
     elif name == "parallel":
         _parallel(kw, model=model, dtype=dtypes, tp=tp, requests=requests, max_output=max_output, quick=quick)
+    elif name == "quant":
+        from bench import quantized
+
+        if methods:  # the variants (bench/quantized.py DEFAULT)
+            kw["variants"] = _csv(methods)
+        if requests:
+            kw["requests"] = requests
+        quantized.run(model, quick=quick, repeats=max(repeats, 1 if quick else 2), **kw)
     elif name == "quality":
         from bench import quality
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, kv_quant, reference
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 
 __all__ = [
@@ -79,13 +79,13 @@ def torch_decode_attention(
     (``[S, Hkv, g, D]``), so GQA needs neither ``enable_gqa`` nor expanded kv heads (fastest on CPU, see the
     module docstring)."""
     nd, hq, d = query.shape
-    _, bs, hkv, _ = k_cache.shape
+    _, bs, hkv, row = k_cache.shape  # row: d, or d + 4 in an int8 cache (codes and scale)
     blocks, mask, nblk = _decode_plan(meta)
     lpad = nblk * bs
-    k = k_cache.index_select(0, blocks).view(nd, lpad, hkv, d)
-    v = v_cache.index_select(0, blocks).view(nd, lpad, hkv, d)
+    k = k_cache.index_select(0, blocks).view(nd, lpad, hkv, row)
+    v = v_cache.index_select(0, blocks).view(nd, lpad, hkv, row)
     if k.dtype != query.dtype:
-        k, v = k.to(query.dtype), v.to(query.dtype)
+        k, v = kv_quant.widen(k, query.dtype), kv_quant.widen(v, query.dtype)
     if mask is not None and mask.dtype != query.dtype:
         key = ("decode_mask", query.dtype)
         m = meta.cache.get(key)
@@ -162,8 +162,8 @@ def torch_prefill_attention(
                 k_flat = k_cache.view(num_blocks * bs, hkv, d)
                 v_flat = v_cache.view(num_blocks * bs, hkv, d)
             slots = reference.block_slots(meta.block_tables[s], kv_len, bs)
-            k = k_flat.index_select(0, slots).to(query.dtype)
-            v = v_flat.index_select(0, slots).to(query.dtype)
+            k = kv_quant.widen(k_flat.index_select(0, slots), query.dtype)
+            v = kv_quant.widen(v_flat.index_select(0, slots), query.dtype)
         out[q0:q1] = reference.attend_one(query[q0:q1], k, v, scale)
     return out
 
@@ -190,7 +190,7 @@ class CPUBackend:
             reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
             return
         if key.dtype != k_cache.dtype:  # a narrower cache than the model (kv_cache_dtype): round on the way in
-            key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
+            key, value = reference.to_cache(key, k_cache.dtype), reference.to_cache(value, v_cache.dtype)
         num_blocks, block_size, hkv, d = k_cache.shape
         k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, key)
         v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, value)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
+
 
 def write_kv_cache(
     key: torch.Tensor,
@@ -35,8 +37,16 @@ def write_kv_cache(
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    k_flat.index_copy_(0, slots, to_cache(key, k_cache.dtype))
+    v_flat.index_copy_(0, slots, to_cache(value, v_cache.dtype))
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Fresh keys or values in the cache's element type: int8 rows with their scales (kernels/kv_quant.py), or
+    rounded to a narrower float."""
+    if dtype == torch.int8:
+        return kv_quant.pack(x)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def block_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -99,8 +109,8 @@ def paged_attention(
         if q1 == q0:
             continue
         slots = block_slots(block_tables[s], kv_len, block_size)
-        k = k_flat.index_select(0, slots).to(query.dtype)
-        v = v_flat.index_select(0, slots).to(query.dtype)
+        k = kv_quant.widen(k_flat.index_select(0, slots), query.dtype)
+        v = kv_quant.widen(v_flat.index_select(0, slots), query.dtype)
         out[q0:q1] = attend_one(query[q0:q1], k, v, scale)
     return out
 

@@ -65,7 +65,7 @@ def generate(
     kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="KV-cache pool size, e.g. 2GiB."),
     dtype: str | None = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
-                                              help="auto (the model's dtype), float32, bfloat16 or float16."),
+                                              help="auto (the model's dtype), float32, bfloat16, float16 or int8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable prefix caching."),
     speculative_method: str | None = typer.Option(None, "--speculative-method",
                                                   help="off, ngram (prompt lookup), draft (a smaller model, "

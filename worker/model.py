@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from inferq.log import get_logger
-from kernels import cpu_norm, hugepages, packed_gemm
+from kernels import cpu_norm, hugepages, kv_quant, packed_gemm
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 from worker.model_config import (
     SUPPORTED_ARCHITECTURES,
@@ -295,7 +295,8 @@ class CausalLM:
         page now (CPU) rather than on first use inside a step."""
         c = self.config
         dtype = dtype or self.dtype
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        row = kv_quant.row_width(c.head_dim) if dtype == torch.int8 else c.head_dim  # int8: codes + scale
+        shape = (num_blocks, block_size, c.num_kv_heads, row)
         if self.device.type == "cpu":  # 2 MiB pages: fewer TLB misses for scattered block reads
             return [(hugepages.zeros(shape, dtype, prefault), hugepages.zeros(shape, dtype, prefault))
                     for _ in range(c.num_layers)]
@@ -309,8 +310,10 @@ class CausalLM:
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
         c = self.config
-        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+        dtype = dtype or self.dtype
+        elem = torch.empty((), dtype=dtype).element_size()
+        row = kv_quant.row_width(c.head_dim) if dtype == torch.int8 else c.head_dim
+        return 2 * c.num_layers * block_size * c.num_kv_heads * row * elem
 
     # -- forward ---------------------------------------------------------------------------------------
 

@@ -116,6 +116,16 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quant
                     timeout=tp_timeout)
 
 
+def _kv_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type: the model's (auto), a float type, or int8 (rows with their scales,
+    kernels/kv_quant.py)."""
+    if name in ("auto", None):
+        return model_dtype
+    if name in ("int8", torch.int8):
+        return torch.int8
+    return resolve_dtype(name, device)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -155,7 +165,7 @@ class ModelRunner:
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
         self.max_batched_tokens = int(max_batched_tokens)
-        self.kv_dtype = self.dtype if kv_cache_dtype in ("auto", None) else resolve_dtype(kv_cache_dtype, self.device)
+        self.kv_dtype = _kv_dtype(kv_cache_dtype, self.dtype, self.device)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise ValueError("a KV-cache dtype other than the model's is supported on CPU only")
         self._allocate_kv(int(kv_cache_bytes), config.num_layers, kv_cache_prefault)

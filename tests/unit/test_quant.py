@@ -227,3 +227,24 @@ def test_gguf_names_and_qk_order_match_transformers():
     q = quant.quantize(w, "int4")
     torch.testing.assert_close(gguf_weights._reverse_permute(q, 4).dequantize(),
                                gguf_weights._reverse_permute(q.dequantize(), 4))
+
+
+# --- the int8 KV cache rows -------------------------------------------------------------------------
+
+
+def test_kv_rows_round_trip_within_half_a_step_and_keep_their_scale():
+    from kernels import kv_quant
+
+    x = torch.randn(7, 3, 64) * torch.logspace(-3, 2, 7)[:, None, None]  # rows of very different ranges
+    x[0, 0] = 0.0  # an all-zero row
+    x[1, 1, 5] = 1e4  # an outlier
+    rows = kv_quant.pack(x)
+    assert rows.dtype == torch.int8 and rows.shape == (7, 3, kv_quant.row_width(64))
+    back = kv_quant.unpack(rows)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((back - x).abs() <= step / 2 + 1e-30).all()
+    assert (back[0, 0] == 0).all()
+    # rows moved as a whole (what block gathers and slot scatters do) keep their own scales
+    perm = torch.randperm(7)
+    torch.testing.assert_close(kv_quant.unpack(rows[perm]), back[perm])
+    assert kv_quant.widen(rows, torch.bfloat16).dtype == torch.bfloat16
