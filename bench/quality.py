@@ -99,19 +99,19 @@ def window_logits(runner, ids: list[int], chunk: int = CHUNK) -> torch.Tensor:
     return torch.cat(out)
 
 
-def score(runner, windows: list[list[int]], reference: list[torch.Tensor] | None):
+def score(runner, windows: list[list[int]], reference: list[torch.Tensor] | None, chunk: int = CHUNK):
     """(mean NLL per predicted token, mean KL against ``reference`` or None, this variant's log-probs)."""
     nll, kl, n = 0.0, 0.0, 0
     logps = []
     for i, ids in enumerate(windows):
-        logp = torch.log_softmax(window_logits(runner, ids)[:-1], dim=-1)
+        logp = torch.log_softmax(window_logits(runner, ids, chunk)[:-1], dim=-1)
         target = torch.tensor(ids[1:])
         nll -= float(logp.gather(1, target[:, None]).sum())
         n += len(ids) - 1
         if reference is not None:
             ref = reference[i]
             kl += float((ref.exp() * (ref - logp)).sum())
-        logps.append(logp.to(torch.bfloat16) if reference is None else None)
+        logps.append(logp if reference is None else None)  # float32: rounding them would bias the KL
     return nll / n, (kl / n if reference is not None else None), logps
 
 
@@ -134,6 +134,7 @@ def run(model: str | None = None, *, variants: tuple[str, ...] = tuple(VARIANTS)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if quick:
         window, tokens, prompts = 64, 256, prompts[:2]
+    chunk = min(CHUNK, window // 2)
     ids, files = license_tokens(tokenizer, limit=tokens)
     windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
     variants = ("float32", *[v for v in variants if v != "float32"])
@@ -142,8 +143,7 @@ def run(model: str | None = None, *, variants: tuple[str, ...] = tuple(VARIANTS)
         opts = {k: v for k, v in VARIANTS[name].items()}
         t0 = time.perf_counter()
         runner = _runner(model_dir, window, **opts)
-        nll, kl, logps = score(runner, windows, None if reference is None else
-                               [r.float() for r in reference])
+        nll, kl, logps = score(runner, windows, reference, chunk)
         if reference is None:
             reference = logps
         weight_bytes = runner.model.weight_bytes
@@ -163,6 +163,7 @@ def run(model: str | None = None, *, variants: tuple[str, ...] = tuple(VARIANTS)
                for r in rows if r["variant"] in TARGETS]
     result = {"benchmark": "quality", "machine": machine_info("float32"), "model": str(model_dir),
               "text": {"files": [str(LICENSE_DIR / f) for f in files], "tokens": len(ids), "window": window,
+                       "chunk": chunk,
                        "windows": len(windows)},
               "prompts": len(prompts), "greedy_tokens": GREEDY_TOKENS, "rows": rows, "targets": targets}
     return finish_run(result, t_start=t_start, load_start=load_start, out=out, tag=tag, plot=_plot,

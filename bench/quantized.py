@@ -38,7 +38,7 @@ def _subjects(model_dir: Path, variants, *, threads: int, log):
     for name in variants:
         if name in INFERQ:
             opts = {"dtype": "float32", **INFERQ[name]}
-            eng = InferqOffline(model_dir, opts.pop("dtype"), kv_cache_memory="2GiB", threads=threads, **opts)
+            eng = InferqOffline(model_dir, opts.pop("dtype"), kv_cache_memory="1GiB", threads=threads, **opts)
             subjects[name] = (lambda chats, n, e=eng: inferq_stream(e, chats, n), lambda wl, e=eng: e.run(wl))
             continue
         reason = llama_cpp.unavailable_reason()
@@ -53,6 +53,8 @@ def _subjects(model_dir: Path, variants, *, threads: int, log):
             skipped[name] = f"cannot run: {str(exc)[-400:]}"
             continue
         closers.append(srv.close)
+        if srv.note:
+            skipped[f"{name} note"] = srv.note
         subjects[name] = (lambda chats, n, k=LLAMA[name]: _llama_single(model_dir, k, chats, n, log),
                           lambda wl, s=srv: s.generate(wl))
     return subjects, closers, skipped

@@ -9,8 +9,8 @@ The forms are torch's own CPU kernels (maintained, vectorised, AMX/VNNI where th
   rescale. Fastest at prefill sizes, measured 2-4x float32 there on an AVX512-VNNI Xeon.
 - ``w4`` (int4): ``aten._weight_int4pack_mm_for_cpu``: bfloat16 rows, 4-bit weights unpacked in registers,
   group-wise scales and zero points.
-- ``w4dq`` (int4): the weight de-quantised to bfloat16 for the call, then one bfloat16 GEMM: at large M the
-  unpacking is amortised over many rows.
+- ``w4dq`` / ``w8dq``: the weight de-quantised to bfloat16 for the call, then one bfloat16 GEMM (oneDNN,
+  AMX/AVX512-BF16 where the CPU has them): at large M the unpacking is amortised over many rows.
 
 As :mod:`kernels.cpu_gemm` does for float weights, :func:`plan` times the candidate forms once per shape at
 load (the same M buckets, interleaved, best of several runs) and keeps the fastest per bucket; the choice is in
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -31,10 +30,10 @@ import torch.nn.functional as F
 from kernels.cpu_gemm import BUCKET_LIMITS, MAX_PROBE_FLOP, PROBE_M, SCRATCH_BYTES, _bucket
 from kernels.quant import QuantizedWeight
 
-FORMS = {"int8": ("w8a16", "w8a8"), "int4": ("w4", "w4dq")}
+FORMS = {"int8": ("w8a16", "w8dq", "w8a8"), "int4": ("w4", "w4dq")}
 # Per-token int8 activations lose the few outlier channels LLM hidden states carry (measured by ``bench
 # quality``: several times the KL of weight-only int8 on SmolLM2), so ``w8a8`` is a candidate only when asked for.
-WEIGHT_ONLY = {"int8": ("w8a16",), "int4": ("w4", "w4dq")}
+WEIGHT_ONLY = {"int8": ("w8a16", "w8dq"), "int4": ("w4", "w4dq")}
 
 _plans: dict[tuple, tuple[str, ...]] = {}
 _lock = threading.Lock()
@@ -74,7 +73,7 @@ class QuantLinear:
             self._state["codes_t"] = q.codes.t()  # ``_int_mm``'s [in, out] operand, a view of the same codes
         else:
             self._state["packed"], self._state["sz"] = _int4_packed(q)
-            if not self.keep_rows and "w4dq" not in self.forms:
+            if not self.keep_rows and "w4dq" not in self.forms:  # (int8 codes are what w8a16 reads: kept)
                 # the packed copy is all the products read: drop the unpacked codes (twice its size)
                 self.weight = QuantizedWeight(q.fmt, q.codes[:0], q.scale, q.zero, q.group_size)
         self._out = int(q.scale.shape[0])
@@ -114,7 +113,7 @@ class QuantLinear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), s["packed"],
                                                            self.weight.group_size, s["sz"])
             return y if y.shape[1] == self._out else y[:, : self._out]
-        if form == "w4dq":
+        if form in ("w4dq", "w8dq"):
             w = self.weight.dequantize(torch.bfloat16)
             return F.linear(x.to(torch.bfloat16), w)
         raise ValueError(f"unknown quantised form {form!r}")
@@ -161,7 +160,7 @@ def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: boo
     """
     forms = FORMS[q.fmt] if int8_activations else WEIGHT_ONLY[q.fmt]
     key = (tuple(q.shape), q.fmt, q.group_size, forms, torch.get_num_threads())
-    with warnings.catch_warnings(), _lock:
+    with _lock:
         found = _plans.get(key)
         if found is None:
             found = _measure(q, forms) if autotune else (forms[0],) * (len(BUCKET_LIMITS) + 1)

@@ -144,15 +144,28 @@ class LlamaServer:
         if binary is None:
             raise RuntimeError(unavailable_reason())
         gguf = convert(Path(model_dir), dtype, log=log)
-        self.port = _free_port()
         self.parallel = parallel
-        self._log = tempfile.TemporaryFile()
-        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(parallel),
+        self.note = ""
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "-np", str(parallel),
                "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
                "-b", "2048", "-ub", "512", "--no-webui"]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._start(cmd, startup_timeout)
+        except RuntimeError as exc:
+            if "exited" not in str(exc):
+                raise
+            # seen on an AMX Xeon: the vendored build segfaults loading any quantised GGUF with weight
+            # repacking on; without it the server runs (and the result says so)
+            log(f"llama-server exited at load; retrying with --no-repack ({str(exc)[-200:]})")
+            self.note = "--no-repack (the repacked path crashed at load)"
+            self._start([*cmd, "--no-repack"], startup_timeout)
+
+    def _start(self, cmd: list[str], startup_timeout: float) -> None:
         import httpx
 
+        self.port = _free_port()
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=900)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
@@ -161,13 +174,12 @@ class LlamaServer:
                 raise RuntimeError(f"llama-server exited: {self._log.read()[-2000:].decode(errors='replace')}")
             try:
                 if self.client.get("/health").status_code == 200:
-                    break
+                    return
             except Exception:  # noqa: BLE001
                 pass
             time.sleep(0.5)
-        else:
-            self.close()
-            raise RuntimeError("llama-server did not become healthy")
+        self.close()
+        raise RuntimeError("llama-server did not become healthy")
 
     def _one(self, ids: list[int], n: int) -> list[int]:
         r = self.client.post("/completion", json={"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1,

@@ -299,3 +299,32 @@ def test_routing_smoke(tiny, tmp_path):
     assert all(r["succeeded"] == r["requests"] == 8 for r in rows.values()), rows
     assert all(0 <= r["hit_rate"] <= 1 and 0 <= r["on_owner_share"] <= 1 for r in rows.values()), rows
     assert data["summary"]["on"]["ttft_p50_ms"] > 0
+
+
+def test_quality_smoke(tiny, tmp_path):
+    """Quantised variants scored against float32 on the license texts: the reference scores itself at zero KL
+    and full greedy agreement, every variant gets a finite perplexity, and the targets are reported."""
+    from bench import quality
+
+    quality.run(str(tiny), variants=("float32", "int8", "int4-g32", "kv-int8"), quick=True, out=tmp_path)
+    data = json.loads((tmp_path / "quality.json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert rows["float32"]["kl"] is None and rows["float32"]["greedy_same"] == 1.0
+    assert all(r["perplexity"] > 1 and r["perplexity"] < float("inf") for r in rows.values()), rows
+    assert all(rows[v]["kl"] > 0 for v in ("int8", "int4-g32", "kv-int8")), rows
+    assert rows["int8"]["weight_mb"] < rows["float32"]["weight_mb"]
+    assert {t["target"].split()[0] for t in data["targets"]} == {"int8", "int4-g32", "kv-int8"}
+    assert data["text"]["tokens"] > 0 and data["text"]["files"]
+
+
+def test_quant_smoke(tiny, tmp_path):
+    """Quantised inferq beside float32 (llama.cpp variants left out: not built on a fresh machine)."""
+    from bench import quantized
+
+    quantized.run(str(tiny), variants=("float32", "int8", "int4"), quick=True, out=tmp_path, log=_quiet)
+    data = json.loads((tmp_path / "quant.json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) == {"float32", "int8", "int4"}
+    assert all(r["decode_tok_s"] > 0 and r["throughput_tok_s"] > 0 for r in rows.values()), rows
+    assert {t["target"] for t in data["targets"]} == {"int8 throughput >= 1.5x float32",
+                                                      "int4 single-stream decode >= 2.5x float32"}
