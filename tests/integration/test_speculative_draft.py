@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from scheduler.request import FinishReason, Request, SamplingParams, Tier
 from tests.integration.test_engine import hf_greedy, kv_bytes, run_all
+from tests.integration.test_smollm2_vs_hf import smollm_dir  # noqa: F401 - fixture
 from tests.integration.test_speculative import SCENARIOS, workload
 from tests.integration.test_speculative import engine as plain_engine_of
 
@@ -34,20 +34,9 @@ def tiny_model(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory):
-    """The converted default model, found as tests/integration/test_smollm2_vs_hf.py finds it."""
-    import os
-
-    from inferq.settings import Settings
-    from worker.loader import DEFAULT_MODEL, MARKER, resolve_model
-
-    reuse = os.environ.get("INFERQ_TEST_MODEL_CACHE")
-    if reuse:
-        cache = Path(reuse)
-    else:
-        done = sorted(tmp_path_factory.getbasetemp().glob(f"*/{DEFAULT_MODEL}/{MARKER}"))
-        cache = done[0].parent.parent if done else tmp_path_factory.mktemp("models")
-    return resolve_model(DEFAULT_MODEL, Settings(model_cache_dir=cache))
+def default_model(smollm_dir):  # noqa: F811
+    """The converted default model (tests/integration/test_smollm2_vs_hf.py's fixture finds or converts it)."""
+    return smollm_dir
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import torch
 
 from inferq.settings import Settings
 from scheduler.request import Request, SamplingParams
+from tests.integration.test_smollm2_vs_hf import smollm_dir  # noqa: F401 - fixture
 from tests.tiny_models import make_tiny_model
 from worker.engine import LLMEngine
-from worker.loader import DEFAULT_MODEL, MARKER, resolve_model
 from worker.tensor_parallel import TensorParallelError
 
 pytestmark = pytest.mark.integration
@@ -102,19 +102,7 @@ def test_divisibility_is_checked_before_anything_starts(tiny_dirs):
 # --- the default model ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm_dir(tmp_path_factory) -> Path:
-    """The converted default model (as tests/integration/test_smollm2_vs_hf.py finds or converts it)."""
-    reuse = os.environ.get("INFERQ_TEST_MODEL_CACHE")
-    if reuse:
-        cache = Path(reuse)
-    else:
-        done = sorted(tmp_path_factory.getbasetemp().glob(f"*/{DEFAULT_MODEL}/{MARKER}"))
-        cache = done[0].parent.parent if done else tmp_path_factory.mktemp("models")
-    return resolve_model(DEFAULT_MODEL, Settings(model_cache_dir=cache))
-
-
-def test_default_model_tp3_greedy_matches_tp1(smollm_dir):
+def test_default_model_tp3_greedy_matches_tp1(smollm_dir):  # noqa: F811
     """SmolLM2-135M has 9 heads and 3 KV heads: TP=2 cannot split it, TP=3 can (3 ranks on this machine)."""
     from transformers import AutoTokenizer
 
