@@ -185,3 +185,9 @@ def test_int8_kv_cache_through_chunking_preemption_and_prefix_hits(tiny_model):
     assert sorted(got) == sorted(ref) and all(len(t) == 10 for t in got.values())
     same = sum(a == b for k in ref for a, b in zip(ref[k], got[k], strict=True))
     assert same >= 0.6 * 10 * len(prompts), same
+
+
+def test_quantised_weights_with_tensor_parallelism_are_a_clear_error(tiny_model):
+    with pytest.raises(ValueError, match="tensor parallelism with quantised weights"):
+        ModelRunner(tiny_model, device="cpu", dtype="float32", kv_cache_bytes=1 << 20, quantization="int4",
+                    tensor_parallel_size=2)
