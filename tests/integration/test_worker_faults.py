@@ -57,7 +57,10 @@ class Service:
         self.env = dict(database_url=pg_url, redis_url=redis_url, stream_prefix=self.prefix, model=str(model),
                         device="cpu", dtype="float32", kv_cache_memory="128MiB", torch_threads=1, max_num_seqs=4,
                         heartbeat_seconds=0.3, claim_idle_ms=2000, reconcile_interval_seconds=1.0,
-                        shutdown_grace_seconds=0.5, db_retry_max_seconds=60, log_json="true", log_level="INFO")
+                        shutdown_grace_seconds=0.5, db_retry_max_seconds=60, log_json="true", log_level="INFO",
+                        # these tests hold every slot to keep jobs queued: no read-ahead of a lane the worker
+                        # holds none of (fair share's newcomers), which would start one of them at once
+                        fair_read_ahead=0)
         self.env.update(overrides)
         self.settings = Settings(**{**self.env, "database_url": pg_url, "log_json": True})
         self.engine = make_engine(pg_url)
@@ -303,10 +306,12 @@ def test_redis_flushall_while_jobs_queued(svc):
     long_ids = [svc.submit(max_tokens=ENDLESS, ignore_eos=True) for _ in range(4)]
     svc.wait_status(long_ids, ("running",), timeout=60)
     queued = [svc.submit(max_tokens=6, ignore_eos=True, tier=t) for t in ("interactive", "batch", "batch")]
-    assert set(svc.statuses(queued).values()) == {"queued"}
-    svc.redis.flushall()
-    for jid in long_ids:
-        jobs.cancel(svc.db, svc.redis, svc.settings, jid)
+    try:
+        assert set(svc.statuses(queued).values()) == {"queued"}
+        svc.redis.flushall()
+    finally:  # endless jobs left running would starve every later test of this module's worker
+        for jid in long_ids:
+            jobs.cancel(svc.db, svc.redis, svc.settings, jid)
     assert set(svc.wait_status(long_ids, timeout=60).values()) == {"cancelled"}, _dump_logs(svc)
     assert set(svc.wait_status(queued, timeout=60).values()) == {"succeeded"}, _dump_logs(svc)
     for jid in long_ids + queued:
