@@ -28,7 +28,7 @@ LM_HEAD = (49152, 576)
 def gemm(ms: list[int], repeats: int = 4) -> None:
     """GFLOP/s over a 30-layer set of the model's projections (+ the LM head for M <= 64)."""
     impls = {"F.linear": None, "packed": packed_gemm._load()}
-    if packed_gemm._load().has_avx512():  # the same source built without its AVX-512 code
+    if packed_gemm._load().gemm_has_avx512():  # the same source built without its AVX-512 code
         impls["packed AVX2"] = packed_gemm.build({"INFERQ_NO_AVX512": 1})
     weights = {(n, k): [torch.randn(n, k) for _ in range(1 if (n, k) == LM_HEAD else LAYERS)]
                for n, k in [*SHAPES, LM_HEAD]}

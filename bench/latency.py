@@ -13,13 +13,14 @@ how close it comes to this machine's memory bandwidth.
    projection kind (qkv, o, gate_up, down, summed over layers, and the LM head), attention (KV write + kernel),
    the rest of the forward (embedding, norms, RoPE, SwiGLU), sampling, the scheduler, input preparation and
    the engine's Python around them (postprocess, detokenisation, bookkeeping). Timers wrap each part, so the
-   parts add up to the step; the wrappers cost about a microsecond per call. Achieved GB/s = the bytes a
-   step must read (every weight once, plus the KV it attends over) / step time.
+   parts add up to the step; the wrappers cost about a microsecond per call. These parts are of the op-by-op
+   forward; the step as inferq runs it (every layer in one C call, kernels/decode_step.py) is timed beside it,
+   whole. Achieved GB/s = the bytes a step must read (every weight once, plus the KV it attends over) / step
+   time of the fused step.
 4. **Single stream**, side by side in this process: real-text chat prompts (repeat a paragraph of the
    project's LICENSE, summarise it, list its terms), greedy, EOS honoured, one request at a time; output
    tok/s (decode: tokens after the first over the time after the first), TPOT p50/p95 and TTFT per engine;
-   inferq also with the forward's norms, RoPE and SwiGLU as torch ops (``CausalLM.use_c_ops(False)``), the
-   before of their C calls.
+   inferq also op by op (``CausalLM.use_decode_step(False)``), the before of the fused step.
    With ``--engines ...,inferq-service`` the same chats also go through the whole service (REST -> Redis ->
    worker -> SSE, streaming chat completions, one at a time on an idle worker, alternated with offline passes):
    its decode tok/s against offline (target: within 5%) and the TTFT it adds (the queue hop; target < 10 ms at idle).
@@ -199,8 +200,10 @@ def weight_bytes(model) -> dict[str, int]:
     return out
 
 
-def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0) -> dict:
-    """ms per decode step of ``batch`` sequences, per part, and the achieved read rate."""
+def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0, fused: bool = False) -> dict:
+    """ms per decode step of ``batch`` sequences, per part, and the achieved read rate. ``fused``: the step as
+    inferq runs it (every layer in one C call, kernels/decode_step.py), whose parts inside the forward are not
+    separable ("other forward" is then the whole layer stack); otherwise op by op, each part timed."""
     import random
 
     from scheduler.request import Request, SamplingParams
@@ -208,6 +211,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     rng = random.Random(seed)
     engine = base.new_engine()
     runner, model = base.runner, base.runner.model
+    model.use_decode_step(fused)
     for i in range(batch):
         prompt = [rng.randrange(3, base.info.vocab_size) for _ in range(prompt_len)]
         engine.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
@@ -233,6 +237,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
                 engine.step()
     finally:
         timers.unwrap()
+        model.use_decode_step(True)
         for rid in list(engine.scheduler.requests):
             engine.abort(rid)
     t = {k: v / steps * 1000 for k, v in timers.t.items()}  # ms per step
@@ -247,7 +252,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     cache = runner.kv_caches[0][0]
     kv_bytes = 2 * len(runner.kv_caches) * (context / steps) * cache.shape[2] * cache.shape[3] * cache.element_size()
     step_bytes = sum(wbytes.values()) + kv_bytes
-    return {"batch": batch, "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes,
+    return {"batch": batch, "fused": fused, "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes,
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": step_bytes, "achieved_gbs": step_bytes / t["step"] / 1e6,
             "projection_gbs": {kind: wbytes[kind] / parts[kind] / 1e6 for kind in wbytes if parts[kind] > 0}}
 
@@ -288,19 +293,19 @@ def inferq_stream(base, chats: list[list[dict]], max_tokens: int) -> dict:
     return _stream_row("inferq", ttft, tpot, decode_tokens, decode_time, outs)
 
 
-def _with_and_without_c_ops(base, chats, max_tokens: int, repeats: int) -> list[dict]:
-    """inferq as it runs, and with the forward's norms, RoPE and SwiGLU as torch ops (the before of their C
-    calls), alternating ``repeats`` times so drift on a shared machine hits both; rows pooled per variant."""
+def _fused_and_op_by_op(base, chats, max_tokens: int, repeats: int) -> list[dict]:
+    """inferq as it runs (decode steps fused into one C call), and op by op (the before of the fused step),
+    alternating ``repeats`` times so drift on a shared machine hits both; rows pooled per variant."""
     model = base.runner.model
     runs: dict[bool, list[dict]] = {True: [], False: []}
     try:
         for _ in range(repeats):
-            for c_ops in (False, True):
-                model.use_c_ops(c_ops)
-                runs[c_ops].append(inferq_stream(base, chats, max_tokens))
+            for fused in (False, True):
+                model.use_decode_step(fused)
+                runs[fused].append(inferq_stream(base, chats, max_tokens))
     finally:
-        model.use_c_ops(True)
-    return [_pooled("inferq", runs[True]), _pooled("inferq, torch norm/rope/swiglu", runs[False])]
+        model.use_decode_step(True)
+    return [_pooled("inferq", runs[True]), _pooled("inferq, op by op", runs[False])]
 
 
 def _pooled(engine: str, rows: list[dict]) -> dict:
@@ -423,8 +428,8 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
         base = InferqOffline(model_dir, dtype, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048)
         streaming = weight_streaming(base.runner.model, repeats=2 if quick else 5)
         read_gbs = read_bandwidth(256 if quick else 1024, 3 if quick else 5)  # just before the steps it judges
-        rows = [breakdown(base, b, steps=steps) for b in BATCHES]
-        streams = _with_and_without_c_ops(base, chats, max_tokens, repeats=1 if quick else 2)
+        rows = [breakdown(base, b, steps=steps, fused=fused) for fused in (False, True) for b in BATCHES]
+        streams = _fused_and_op_by_op(base, chats, max_tokens, repeats=1 if quick else 2)
         if "inferq-service" in engines:
             offline, service = service_vs_offline(base, model_dir, dtype, chats, max_tokens,
                                                   repeats=1 if quick else 3, log=log)
@@ -456,7 +461,7 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
 def _targets(result: dict) -> list[dict]:
     out = []
     for dtype, d in result["dtypes"].items():
-        b1 = d["breakdown"][0]["achieved_gbs"] / d["read_gbs"]
+        b1 = _fused_rows(d)[0]["achieved_gbs"] / d["read_gbs"]
         out.append({"target": f"{dtype}: batch-1 step at >= 85% of the measured read bandwidth", "measured": b1,
                     "met": b1 >= 0.85})
         for row in d["streams"]:
@@ -472,14 +477,23 @@ def _targets(result: dict) -> list[dict]:
     return out
 
 
+def _fused_rows(d: dict) -> list[dict]:
+    """The breakdown rows of the step as inferq runs it (fused), batch 1 first; older results: all rows."""
+    return [r for r in d["breakdown"] if r.get("fused", True)]
+
+
 def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
-    parts = list(d["breakdown"][0]["parts_ms"])
-    rows = [{"part": p, **{f"b{r['batch']}": r["parts_ms"][p] for r in d["breakdown"]}} for p in parts]
-    rows.append({"part": "step", **{f"b{r['batch']}": r["step_ms"] for r in d["breakdown"]}})
-    rows.append({"part": "achieved GB/s", **{f"b{r['batch']}": r["achieved_gbs"] for r in d["breakdown"]}})
-    rows.append({"part": "share of read bandwidth",
-                 **{f"b{r['batch']}": r["achieved_gbs"] / bandwidth for r in d["breakdown"]}})
-    b1 = d["breakdown"][0]
+    op_rows = [r for r in d["breakdown"] if not r.get("fused")]
+    parts = list(op_rows[0]["parts_ms"])
+    rows = [{"part": p, **{f"b{r['batch']}": r["parts_ms"][p] for r in op_rows}} for p in parts]
+    rows.append({"part": "step, op by op", **{f"b{r['batch']}": r["step_ms"] for r in op_rows}})
+    fused = _fused_rows(d)
+    rows.append({"part": "step, fused", **{f"b{r['batch']}": r["step_ms"] for r in fused}})
+    rows.append({"part": "  of which the fused layers", **{f"b{r['batch']}": r["parts_ms"]["other forward"] for r in fused}})
+    rows.append({"part": "fused: achieved GB/s", **{f"b{r['batch']}": r["achieved_gbs"] for r in fused}})
+    rows.append({"part": "fused: share of read bandwidth",
+                 **{f"b{r['batch']}": r["achieved_gbs"] / bandwidth for r in fused}})
+    b1 = op_rows[0]
     proj = ", ".join(f"{k} {v:.1f}" for k, v in b1["projection_gbs"].items())
     streams = [{k: v for k, v in s.items() if k != "outputs"} for s in d["streams"]]
     ws = d.get("weight_streaming")

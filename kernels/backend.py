@@ -1,9 +1,10 @@
 """The CPU attention backend and ``get_backend``, which picks a backend for a device.
 
 ``CPUBackend`` runs the C kernels of ``kernels.cpu_attention`` (decode and prefill attention reading the
-paged cache in place) where they are available, and a portable torch path (gather + SDPA) elsewhere:
-non-CPU tensors, unsupported shapes or dtypes, no C compiler, or ``CPUBackend(native=False)`` (the
-``"torch"`` backend), which never calls the C kernels. The interface (``AttentionMetadata``,
+paged cache in place: float32, bfloat16, or int8 rows with their scales, ``kernels.kv_quant``) where they are
+available, and a portable torch path (gather + SDPA, an int8 cache widened as gathered) elsewhere: non-CPU
+tensors, unsupported shapes or dtypes, no C compiler, or ``CPUBackend(native=False)`` (the ``"torch"``
+backend), which never calls the C kernels; for an int8 cache that path is also the kernels' reference. The interface (``AttentionMetadata``,
 ``AttentionBackend``) is in ``kernels.attention_api``; ``get_backend`` picks Triton on CUDA when it imports.
 
 Torch path: the runner orders each batch as decodes (q_len 1) first, then prefill chunks. Once per step (not
@@ -105,7 +106,8 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of the leading ``num_decodes`` single-token sequences: the C kernel reading the paged cache in
-    place where it is available (CPU), else the gather + SDPA torch path."""
+    place where it is available (CPU; an int8 cache too, its rows never unpacked to memory), else the gather +
+    SDPA torch path."""
     nd = query.shape[0]
     key = ("cpu_decode", nd, query.dtype, k_cache.dtype)
     plan = meta.cache.get(key)

@@ -2,7 +2,8 @@
 
 Why: the torch path must first gather every sequence's blocks into a padded copy and run SDPA over it (a
 write and two more reads of all the context); these C kernels read each sequence's K and V once, block by
-block, where they lie, and compute in float32 whatever the cache dtype (float32 or bfloat16). Sources:
+block, where they lie, and compute in float32 whatever the cache dtype (float32, bfloat16, or the int8 rows of
+:mod:`kernels.kv_quant`: codes widened in registers, each row's scale applied once per row). Sources:
 ``csrc/decode_attention.c``, ``csrc/prefill_attention.c`` (one library), built by :mod:`kernels.native`; where
 that fails :func:`load` returns None and the torch backend keeps its pure-torch path.
 """
@@ -15,7 +16,7 @@ import logging
 
 import torch
 
-from kernels import native
+from kernels import kv_quant, native
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,9 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     for name in ("set_avx512", "set_generic"):
         getattr(lib, name).argtypes = [ctypes.c_int]
         getattr(lib, name).restype = None
-    for name, argtypes in (("decode_f32", _ARGTYPES), ("decode_bf16", _ARGTYPES),
-                           ("prefill_f32", _PREFILL_ARGTYPES), ("prefill_bf16", _PREFILL_ARGTYPES)):
+    for name, argtypes in (("decode_f32", _ARGTYPES), ("decode_bf16", _ARGTYPES), ("decode_i8", _ARGTYPES),
+                           ("prefill_f32", _PREFILL_ARGTYPES), ("prefill_bf16", _PREFILL_ARGTYPES),
+                           ("prefill_i8", _PREFILL_ARGTYPES)):
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_int
     log.debug("CPU attention kernels loaded (vector path: %s, AVX-512: %s)", bool(lib.has_simd()),
@@ -98,11 +100,23 @@ def use_generic(on: bool) -> None:
         lib.set_generic(1 if on else 0)
 
 
+_KERNELS = {torch.float32: ("decode_f32", "prefill_f32"), torch.bfloat16: ("decode_bf16", "prefill_bf16"),
+            torch.int8: ("decode_i8", "prefill_i8")}
+
+
+def _row_fits(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the cache's rows hold the query's head dim D: D values, or in an int8 cache D codes and the
+    row's scale (:mod:`kernels.kv_quant`)."""
+    d = query.shape[-1]
+    return k_cache.shape[-1] == (kv_quant.row_width(d) if k_cache.dtype == torch.int8 else d)
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` handles these tensors (CPU, float32/bfloat16 cache, dense rows)."""
+    """Whether :func:`decode_attention` handles these tensors (CPU, a float32/bfloat16 cache or one of int8 rows
+    ``D + 4`` wide, dense rows)."""
     if query.device.type != "cpu" or k_cache.device.type != "cpu":
         return False
-    if k_cache.dtype not in (torch.float32, torch.bfloat16):
+    if k_cache.dtype not in _KERNELS or not _row_fits(query, k_cache):
         return False
     hq, hkv = query.shape[1], k_cache.shape[2]
     return hq % hkv == 0 and hq // hkv <= 16 and k_cache.stride(-1) == 1 and load() is not None
@@ -118,8 +132,9 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of one query token per sequence. query ``[S, Hq, D]``; k/v cache ``[num_blocks, block_size,
-    Hkv, D]`` (same strides); block_tables int32 ``[S, >= ceil(max_len / block_size)]``; seq_lens int32
-    ``[S]`` (context length including the query token). Returns ``[S, Hq, D]`` in the query's dtype."""
+    Hkv, D]`` (same strides; an int8 cache's rows are ``D + 4``: codes and scale); block_tables int32
+    ``[S, >= ceil(max_len / block_size)]``; seq_lens int32 ``[S]`` (context length including the query token).
+    Returns ``[S, Hq, D]`` in the query's dtype."""
     lib = load()
     assert lib is not None, "CPU attention kernel not available"
     s, hq, d = query.shape
@@ -134,7 +149,7 @@ def decode_attention(
         bt = bt.contiguous()
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     lens = lens.contiguous()
-    fn = lib.decode_f32 if k_cache.dtype == torch.float32 else lib.decode_bf16
+    fn = getattr(lib, _KERNELS[k_cache.dtype][0])
     cs = k_cache.stride()
     err = fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cs[0], cs[1], cs[2],
              bt.data_ptr(), bt.stride(0), lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
@@ -146,11 +161,11 @@ def decode_attention(
 
 def supports_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether :func:`prefill_attention` handles these tensors (the AVX2 path: head dim a multiple of 8 up to
-    128, power-of-two blocks, float32/bfloat16 cache; float32 queries, or bfloat16 ones widened first)."""
+    128, power-of-two blocks, float32/bfloat16/int8 cache; float32 queries, or bfloat16 ones widened first)."""
     if not supports(query, k_cache) or query.dtype not in (torch.float32, torch.bfloat16):
         return False
     lib = load()
-    d, bs = k_cache.shape[-1], k_cache.shape[1]
+    d, bs = query.shape[-1], k_cache.shape[1]
     return bool(lib.has_prefill()) and d % 8 == 0 and d <= 128 and bs & (bs - 1) == 0
 
 
@@ -178,7 +193,7 @@ def prefill_attention(
     bt = block_tables.to(torch.int32).contiguous()
     qs = query_start.to(torch.int32).contiguous()
     ctx = context_lens.to(torch.int32).contiguous()
-    fn = lib.prefill_f32 if k_cache.dtype == torch.float32 else lib.prefill_bf16
+    fn = getattr(lib, _KERNELS[k_cache.dtype][1])
     cs = k_cache.stride()
     err = fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cs[0], cs[1], cs[2],
              bt.data_ptr(), bt.stride(0), qs.data_ptr(), ctx.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),

@@ -8,8 +8,10 @@ many steps, and a block-wide scale fixed by its first token would clip the later
 4 bytes per ``D`` (``D`` = 64: 68 bytes a row against bfloat16's 128, 1.9x the tokens per memory budget).
 
 Rows are symmetric (``code = round(x / scale)``, ``scale = max|x| / 127``), written by :func:`pack` in the
-cache write and widened by :func:`unpack` where attention gathers them. Quality against float32:
-``python -m bench quality`` (variant ``kv-int8``).
+cache write. The C attention kernels (:mod:`kernels.cpu_attention`) read them in place, codes widened in
+registers and each row's scale applied once per row; the torch path widens them with :func:`unpack` where it
+gathers them (the kernels' reference, and the fallback). Quality against float32: ``python -m bench quality``
+(variant ``kv-int8``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def _load() -> ctypes.CDLL | None:
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the library's C signatures."""
-    lib.has_avx512.restype = ctypes.c_int
+    lib.gemm_has_avx512.restype = ctypes.c_int
     lib.has_bf16_dot.restype = ctypes.c_int
     for fn in (lib.gemm, lib.gemm_bf16, lib.gemm_bf16_dot):  # (x, xs, w, b, y, ys, M, N, K, accumulate)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

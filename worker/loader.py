@@ -128,6 +128,9 @@ def check_model_dir(path: Path) -> Path:
     if not os.access(path, os.R_OK | os.X_OK):
         raise ModelError(f"model directory {path} is not readable")
     load_config(path)  # config.json present, parseable, supported architecture
+    from worker.gptq_weights import packed_config  # (imports torch: lazily)
+
+    packed_config(path)  # a GPTQ/AWQ quantization_config this loader can read
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise ModelError(f"model directory {path} has no *.safetensors weights")

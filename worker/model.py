@@ -142,6 +142,18 @@ def _quantized_format(tensors: dict) -> str:
     return "int4" if "int4" in fmts else ("int8" if fmts else "none")
 
 
+def _read_packed(model_dir: Path, tensors: dict, quantization: str) -> dict | None:
+    """A GPTQ/AWQ checkpoint's tensors with its packed projections unpacked (``worker/gptq_weights.py``):
+    kept 4-bit under "auto" and "int4", de-quantised to float otherwise (logged); None for any other
+    checkpoint."""
+    from worker import gptq_weights
+
+    cfg = gptq_weights.packed_config(model_dir)
+    if cfg is None:
+        return None
+    return gptq_weights.unpack(tensors, cfg, keep=quantization in ("auto", "int4"), where=str(model_dir))
+
+
 def _linear_bytes(p) -> int:
     """A projection's stored bytes (a quantised one reports its own; a float one its weight and bias)."""
     if hasattr(p, "nbytes"):
@@ -194,6 +206,7 @@ class CausalLM:
         # float32 or bfloat16 on CPU: one C call per norm, RoPE and SwiGLU (kernels/cpu_norm.py), a few us
         # instead of torch's chains of small ops
         self.use_c_ops(True)
+        self.use_decode_step(True)
         self._contiguous_qkv = device.type != "cpu"
         # tensor parallelism (worker/tp_driver.py): sums the row-parallel o and down partial products over ranks
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -206,7 +219,8 @@ class CausalLM:
     ) -> CausalLM:
         """``transform``: (config, tensors) -> (config, tensors) before loading (a tensor-parallel shard).
         ``quantization``: "none"; "int8"/"w8a8"/"int4" (float weights quantised as they load); "auto" (a model
-        converted from a GGUF is read from that GGUF with its 4/8-bit blocks kept; any other stays float)."""
+        converted from a GGUF is read from that GGUF with its 4/8-bit blocks kept, a GPTQ/AWQ checkpoint keeps its
+        4-bit weights; any other stays float). A GPTQ/AWQ checkpoint under "none" is de-quantised to float."""
         model_dir = Path(model_dir)
         config = load_config(model_dir)
         dev = resolve_device(device)
@@ -221,11 +235,15 @@ class CausalLM:
             tensors = read_gguf(gguf, config)
         else:
             tensors = read_safetensors(model_dir)
+        packed = _read_packed(model_dir, tensors, quantization) if gguf is None else None
+        if packed is not None:
+            tensors = packed
         if transform is not None:
             config, tensors = transform(config, tensors)
-        if gguf is not None or quantization in ("int8", "w8a8", "int4"):
+        as_read = gguf is not None or packed is not None and quantization == "auto"  # the file's own formats
+        if as_read or quantization in ("int8", "w8a8", "int4"):
             return cls(config, tensors, dtype=dt, device=dev, where=str(gguf or model_dir),
-                       quantization="none" if gguf is not None else quantization, group_size=group_size)
+                       quantization="none" if as_read else quantization, group_size=group_size)
         if (dev.type == "cpu" and dt == torch.bfloat16 and not cpu_half_gemm_is_native()
                 and packed_gemm.available()):
             # No native bfloat16 matmul (torch's fallback GEMM is ~25x slower than float32 here): keep the
@@ -257,6 +275,7 @@ class CausalLM:
         default) or as torch ops (what a machine without a C compiler runs; tests compare both)."""
         self._c_ops = (cpu_norm.load() if on and self.device.type == "cpu"
                        and self.dtype in (torch.float32, torch.bfloat16) else None)
+        self._decode_step_caches = None  # the fused step needs the C ops: decided again at the next step
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -342,8 +361,11 @@ class CausalLM:
             meta.scale = self.scale
         x = self._embed_rows(input_ids)
         residual = x
-        h = self._norm(x, self.layers[0].input_norm) if self.layers else x
-        for i, layer in enumerate(self.layers):
+        fused = self._fused_step(kv_caches, meta, t, backend)
+        if fused is not None:  # every layer in one C call (kernels/decode_step.py)
+            fused.run(x, rot, meta)  # rot: the C RoPE's (cos, sin) rows, which the fused step needs
+        h = self._norm(x, self.layers[0].input_norm) if self.layers and fused is None else x
+        for i, layer in enumerate(self.layers if fused is None else ()):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
             qk = self._rotate_qk(qkv, cos, sin, rot, c_ops)
             q = qk[:, :hq]
@@ -374,6 +396,27 @@ class CausalLM:
         return self.lm_head(h).float()  # contiguous: the sampler's row-wise argmax is 3x slower on a transposed view
 
     __call__ = forward
+
+    def use_decode_step(self, on: bool) -> None:
+        """Run qualifying decode steps as one C call (kernels/decode_step.py; the default) or op by op (tests
+        and benchmarks compare both)."""
+        self._decode_step_on = on
+        self._decode_step = None
+        self._decode_step_caches = None
+
+    def _fused_step(self, kv_caches, meta: AttentionMetadata, t: int, backend: AttentionBackend):
+        """The fused decode step where this step qualifies (kernels/decode_step.py says when), else None. Built
+        once per set of KV caches; only for the CPU backend's own kernels (not a reference backend under test)."""
+        if not self._decode_step_on or not getattr(backend, "native", False):
+            return None
+        # keyed by the layer list too: an early-exit draft (worker/draft.py) is a shallow copy with fewer layers
+        if self._decode_step_caches != (id(kv_caches), id(self.layers)):
+            from kernels.decode_step import DecodeStep
+
+            self._decode_step = DecodeStep.for_model(self, kv_caches)
+            self._decode_step_caches = (id(kv_caches), id(self.layers))
+        step = self._decode_step
+        return step if step is not None and step.applies(kv_caches, meta, t) else None
 
     def _add_row_parallel(self, residual: torch.Tensor, proj, x: torch.Tensor) -> None:
         """``residual += x W^T``; under tensor parallelism each rank holds a slice of W's input columns, so

@@ -21,6 +21,7 @@ from inferq.log import get_logger
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 from kernels.backend import get_backend
 from scheduler.request import Request
+from worker.gptq_weights import packed_config
 from worker.loader import ModelInfo, model_info
 from worker.model import CausalLM, gguf_source, load_config, resolve_device, resolve_dtype
 from worker.sampler import Sampler
@@ -107,7 +108,8 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quant
     ``TPDriver`` with the same surface, the model sharded over ranks it starts (worker/tp_driver.py)."""
     if tensor_parallel_size == 1:
         return _load_weights(model_dir, dtype, device, quantization, group_size)
-    if quantization in ("int8", "w8a8", "int4") or quantization == "auto" and gguf_source(model_dir) is not None:
+    if quantization in ("int8", "w8a8", "int4") or quantization == "auto" and (
+            gguf_source(model_dir) is not None or packed_config(model_dir) is not None):
         raise ValueError("tensor parallelism with quantised weights is not supported yet (use one of them)")
     from worker.tp_driver import TPDriver
 

@@ -1,12 +1,18 @@
 /* Batched decode attention straight from the paged KV cache: one query token per sequence against its first
    lens[s] cached positions, K and V read once, block by block, where they lie (no gather into a padded copy),
-   softmax and sums in float32 whatever the cache element type (float32: decode_f32, bfloat16: decode_bf16).
-   Work items are shared out over torch's OpenMP threads.
+   softmax and sums in float32 whatever the cache element type (float32: decode_f32, bfloat16: decode_bf16,
+   int8 rows of codes and a scale: decode_i8). Work items are shared out over torch's OpenMP threads.
+
+   int8 rows (kernels/kv_quant.py) are read as they lie, never unpacked to memory: the codes are widened in
+   registers, a score is the dot product with the codes times the K row's scale (one multiply per row, not per
+   element), and each V row's scale is folded into its softmax weight before the weighted sum. The softmax sum
+   is of the weights themselves, so the results are those of the unpacked rows up to float summation order.
 
    Three paths: portable loops (any head dim and block size), AVX2 + FMA (head dims that are multiples of 8 up
    to 128, power-of-two blocks), and, where built, AVX-512 work items for head dims that are multiples of 16.
    set_generic / set_avx512 force a path at run time (tests, side-by-side timings). The paths share the argument
-   block, the passes and the output step, hence one file of ~550 lines. */
+   block, the passes and the output step, hence one file of ~650 lines; the element kind (ELEM_F32 / ELEM_BF16 /
+   ELEM_I8 of simd.h) is a compile-time constant of every inlined helper, one copy of each path per kind. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -16,7 +22,7 @@
 
 #define MAX_HEADS 64 /* query heads per work item of the vector paths */
 
-/* The arguments of decode_f32 / decode_bf16 (strides in elements). */
+/* The arguments of decode_f32 / decode_bf16 / decode_i8 (strides in elements: bytes for int8). */
 typedef struct {
     const float* q;
     int64_t q_ss, q_hs;
@@ -42,7 +48,7 @@ int has_simd(void) { return vector_shape(16, 16); }
 /* ---- portable loops: one (sequence, kv head) item, its G query heads against all `len` positions ---- */
 
 /* pass 1: the scaled scores sc[g * len + p] and each query head's max m[g] */
-ALWAYS_INLINE void generic_scores(const int BF16, const decode_args* a, const float* q, const void* kc,
+ALWAYS_INLINE void generic_scores(const int KIND, const decode_args* a, const float* q, const void* kc,
                                   const int32_t* bt, int len, int G, float* sc, float* m) {
     const int D = a->D, bs = a->c.bs, nblk = (len + bs - 1) / bs;
     const int64_t c_bs = a->c.c_bs, c_ts = a->c.c_ts, q_hs = a->q_hs;
@@ -52,14 +58,15 @@ ALWAYS_INLINE void generic_scores(const int BF16, const decode_args* a, const fl
         const int64_t base = (int64_t)bt[b] * c_bs;
         const int n = (b == nblk - 1) ? len - b * bs : bs;
         for (int t = 0; t < n; t++) {
-            const void* k = elem_at(kc, base + (int64_t)t * c_ts, BF16);
+            const void* k = elem_at(kc, base + (int64_t)t * c_ts, KIND);
+            const float ks = row_scale(k, D, KIND) * scale; /* an int8 row's scale, once per dot product */
             const int p = b * bs + t;
             for (int g = 0; g < G; g++) {
                 const float* qg = q + (int64_t)g * q_hs;
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qg[d] * load1(k, d, BF16);
-                s *= scale;
+                for (int d = 0; d < D; d++) s += qg[d] * load1(k, d, KIND);
+                s *= ks;
                 sc[(int64_t)g * len + p] = s;
                 if (s > m[g]) m[g] = s;
             }
@@ -68,7 +75,7 @@ ALWAYS_INLINE void generic_scores(const int BF16, const decode_args* a, const fl
 }
 
 /* pass 3: acc[g * D + d] = the sum over positions of weight sc[g * len + p] times V */
-ALWAYS_INLINE void generic_vsum(const int BF16, const decode_args* a, const void* vc, const int32_t* bt, int len,
+ALWAYS_INLINE void generic_vsum(const int KIND, const decode_args* a, const void* vc, const int32_t* bt, int len,
                                 int G, const float* sc, float* acc) {
     const int D = a->D, bs = a->c.bs, nblk = (len + bs - 1) / bs;
     const int64_t c_bs = a->c.c_bs, c_ts = a->c.c_ts;
@@ -77,24 +84,25 @@ ALWAYS_INLINE void generic_vsum(const int BF16, const decode_args* a, const void
         const int64_t base = (int64_t)bt[b] * c_bs;
         const int n = (b == nblk - 1) ? len - b * bs : bs;
         for (int t = 0; t < n; t++) {
-            const void* v = elem_at(vc, base + (int64_t)t * c_ts, BF16);
+            const void* v = elem_at(vc, base + (int64_t)t * c_ts, KIND);
+            const float vs = row_scale(v, D, KIND); /* folded into the weight: the codes are summed as they are */
             const int p = b * bs + t;
             for (int g = 0; g < G; g++) {
-                const float w = sc[(int64_t)g * len + p];
+                const float w = sc[(int64_t)g * len + p] * vs;
                 float* ag = acc + (int64_t)g * D;
 #pragma omp simd
-                for (int d = 0; d < D; d++) ag[d] += w * load1(v, d, BF16);
+                for (int d = 0; d < D; d++) ag[d] += w * load1(v, d, KIND);
             }
         }
     }
 }
 
-ALWAYS_INLINE void generic_item(const int BF16, const decode_args* a, int s, int h, float* sc, float* acc) {
+ALWAYS_INLINE void generic_item(const int KIND, const decode_args* a, int s, int h, float* sc, float* acc) {
     const int G = a->Hq / a->Hkv, D = a->D, len = a->lens[s];
     const float* q = a->q + s * a->q_ss + (int64_t)h * G * a->q_hs;
     const int32_t* bt = a->bt + s * a->bt_ss;
     float m[MAX_GROUP], sum[MAX_GROUP];
-    generic_scores(BF16, a, q, elem_at(a->c.k, h * a->c.c_hs, BF16), bt, len, G, sc, m);
+    generic_scores(KIND, a, q, elem_at(a->c.k, h * a->c.c_hs, KIND), bt, len, G, sc, m);
     for (int g = 0; g < G; g++) { /* pass 2: scores -> unnormalised softmax weights */
         float* row = sc + (int64_t)g * len;
         float z = 0.f;
@@ -102,7 +110,7 @@ ALWAYS_INLINE void generic_item(const int BF16, const decode_args* a, int s, int
         for (int p = 0; p < len; p++) { const float e = expf(row[p] - mg); row[p] = e; z += e; }
         sum[g] = z;
     }
-    generic_vsum(BF16, a, elem_at(a->c.v, h * a->c.c_hs, BF16), bt, len, G, sc, acc);
+    generic_vsum(KIND, a, elem_at(a->c.v, h * a->c.c_hs, KIND), bt, len, G, sc, acc);
     for (int g = 0; g < G; g++) {
         const float inv = 1.f / sum[g];
         float* o = a->out + s * a->o_ss + (int64_t)(h * G + g) * a->o_hs;
@@ -113,37 +121,43 @@ ALWAYS_INLINE void generic_item(const int BF16, const decode_args* a, int s, int
 
 static void generic_item_f32(const decode_args* a, int s, int h, float* sc, float* acc) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    generic_item(0, &l, s, h, sc, acc);
+    generic_item(ELEM_F32, &l, s, h, sc, acc);
 }
 static void generic_item_bf16(const decode_args* a, int s, int h, float* sc, float* acc) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    generic_item(1, &l, s, h, sc, acc);
+    generic_item(ELEM_BF16, &l, s, h, sc, acc);
+}
+static void generic_item_i8(const decode_args* a, int s, int h, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    generic_item(ELEM_I8, &l, s, h, sc, acc);
 }
 
-static int decode_generic(int bf16, const decode_args* a) {
+/* The portable items, shared over the team of the enclosing parallel region (an orphaned omp for, ending in
+   its barrier); *err gets 2 where this thread's scratch could not be allocated. */
+static void generic_share(int kind, const decode_args* a, int* err) {
     const int G = a->Hq / a->Hkv, S = a->S, Hkv = a->Hkv;
-    if (G > MAX_GROUP || G * Hkv != a->Hq) return 1;
-    int err = 0;
-#pragma omp parallel
-    {
-        float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(a->max_len > 0 ? a->max_len : 1));
-        float* acc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)a->D);
-        if (!sc || !acc) {
+    float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(a->max_len > 0 ? a->max_len : 1));
+    float* acc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)a->D);
+    if (!sc || !acc) {
 #pragma omp atomic write
-            err = 2;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < (int64_t)S * Hkv; i++) {
-            if (!sc || !acc) continue;
-            const int s = (int)(i / Hkv), h = (int)(i % Hkv);
-            if (a->lens[s] <= 0) continue;
-            if (bf16) generic_item_bf16(a, s, h, sc, acc);
-            else generic_item_f32(a, s, h, sc, acc);
-        }
-        free(sc);
-        free(acc);
+        *err = 2;
     }
-    return err;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < (int64_t)S * Hkv; i++) {
+        if (!sc || !acc) continue;
+        const int s = (int)(i / Hkv), h = (int)(i % Hkv);
+        if (a->lens[s] <= 0) continue;
+        if (kind == ELEM_I8) generic_item_i8(a, s, h, sc, acc);
+        else if (kind == ELEM_BF16) generic_item_bf16(a, s, h, sc, acc);
+        else generic_item_f32(a, s, h, sc, acc);
+    }
+    free(sc);
+    free(acc);
+}
+
+static int generic_shape(const decode_args* a) {
+    const int G = a->Hq / a->Hkv;
+    return G <= MAX_GROUP && G * a->Hkv == a->Hq;
 }
 
 #if INFERQ_HAVE_AVX2
@@ -186,12 +200,14 @@ static void store_output(const decode_args* a, int s, int h0, int nh, const floa
 }
 
 /* Prefetch the rows (all kv heads) of positions p0..p0+7 below len. Always inlined: to GCC a function that only
-   prefetches has no side effects, and a call to it out of line is deleted. */
+   prefetches has no side effects, and a call to it out of line is deleted. Rows that are not a whole number of
+   lines (int8: Hkv * (D + 4) bytes) also get their last byte's line, which a row starting mid-line spills into. */
 ALWAYS_INLINE void prefetch_rows(const void* base, const paged_cache* c, const int32_t* bt, int p0, int len,
                                    int row_bytes, int es) {
     for (int t = 0; t < 8 && p0 + t < len; t++) {
         const char* r = (const char*)base + row_offset(c, bt, p0 + t) * es;
         for (int l = 0; l < row_bytes; l += 64) _mm_prefetch(r + l, _MM_HINT_T0);
+        if (row_bytes & 63) _mm_prefetch(r + row_bytes - 1, _MM_HINT_T0);
     }
 }
 
@@ -201,10 +217,10 @@ static inline void chunk_offsets(const paged_cache* c, const int32_t* bt, int b,
 }
 
 /* AVX2 pass 1: sc[j * lpad + p] and the running max lanes mx[j] of each query head j of the item */
-ALWAYS_INLINE void scores_avx2(const int BF16, const decode_args* a, const float* q, const int32_t* bt, int len,
+ALWAYS_INLINE void scores_avx2(const int KIND, const decode_args* a, const float* q, const int32_t* bt, int len,
                                int h0, int h1, float* sc, __m256* mx) {
     const paged_cache* c = &a->c;
-    const int G = a->Hq / a->Hkv, ND = a->D / 8, nch = (len + 7) / 8, lpad = nch * 8, es = BF16 ? 2 : 4;
+    const int G = a->Hq / a->Hkv, ND = a->D / 8, nch = (len + 7) / 8, lpad = nch * 8, es = elem_size(KIND);
     const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-INFINITY);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int64_t roff[8];
@@ -214,11 +230,13 @@ ALWAYS_INLINE void scores_avx2(const int BF16, const decode_args* a, const float
         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
         prefetch_rows(c->k, c, bt, (b + PF_CHUNKS) * 8, len, (int)(c->c_ts * es), es);
         for (int h = h0; h < h1; h++) {
-            const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, BF16);
+            const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, KIND);
+            /* int8: the 8 rows' scales times the softmax scale, lane t for row t */
+            const __m256 ks = KIND == ELEM_I8 ? _mm256_mul_ps(row_scales8(k0, roff, a->D, KIND), vscale) : vscale;
             for (int g = 0; g < G; g++) {
                 const int j = (h - h0) * G + g;
                 const float* qg = q + (int64_t)(h * G + g) * a->q_hs;
-                const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(dot8(qg, k0, roff, ND, BF16), vscale), valid);
+                const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(dot8(qg, k0, roff, ND, KIND), ks), valid);
                 _mm256_storeu_ps(sc + (int64_t)j * lpad + b * 8, r);
                 mx[j] = _mm256_max_ps(mx[j], r);
             }
@@ -227,79 +245,90 @@ ALWAYS_INLINE void scores_avx2(const int BF16, const decode_args* a, const float
 }
 
 /* a[0 .. 8 NC) += the weights w[t] times the n rows at v0 + roff[t], NC accumulators held in registers */
-ALWAYS_INLINE void vrow_avx2(const int BF16, const int NC, const void* v0, const int64_t* roff, int n,
+ALWAYS_INLINE void vrow_avx2(const int KIND, const int NC, const void* v0, const int64_t* roff, int n,
                              const float* w, float* a) {
     __m256 r[8];
 #pragma GCC unroll 8
     for (int k = 0; k < NC; k++) r[k] = _mm256_loadu_ps(a + 8 * k);
     for (int t = 0; t < n; t++) {
         const __m256 wt = _mm256_set1_ps(w[t]);
-        const void* v = elem_at(v0, roff[t], BF16);
+        const void* v = elem_at(v0, roff[t], KIND);
 #pragma GCC unroll 8
-        for (int k = 0; k < NC; k++) r[k] = _mm256_fmadd_ps(wt, load8(v, 8 * k, BF16), r[k]);
+        for (int k = 0; k < NC; k++) r[k] = _mm256_fmadd_ps(wt, load8(v, 8 * k, KIND), r[k]);
     }
 #pragma GCC unroll 8
     for (int k = 0; k < NC; k++) _mm256_storeu_ps(a + 8 * k, r[k]);
 }
 
 /* vrow_avx2 with its width made a compile-time constant */
-ALWAYS_INLINE void vrow_avx2n(const int BF16, int nc, const void* v0, const int64_t* roff, int n, const float* w,
+ALWAYS_INLINE void vrow_avx2n(const int KIND, int nc, const void* v0, const int64_t* roff, int n, const float* w,
                               float* a) {
     switch (nc) {
-        case 1: vrow_avx2(BF16, 1, v0, roff, n, w, a); break;
-        case 2: vrow_avx2(BF16, 2, v0, roff, n, w, a); break;
-        case 3: vrow_avx2(BF16, 3, v0, roff, n, w, a); break;
-        case 4: vrow_avx2(BF16, 4, v0, roff, n, w, a); break;
-        case 5: vrow_avx2(BF16, 5, v0, roff, n, w, a); break;
-        case 6: vrow_avx2(BF16, 6, v0, roff, n, w, a); break;
-        case 7: vrow_avx2(BF16, 7, v0, roff, n, w, a); break;
-        default: vrow_avx2(BF16, 8, v0, roff, n, w, a); break;
+        case 1: vrow_avx2(KIND, 1, v0, roff, n, w, a); break;
+        case 2: vrow_avx2(KIND, 2, v0, roff, n, w, a); break;
+        case 3: vrow_avx2(KIND, 3, v0, roff, n, w, a); break;
+        case 4: vrow_avx2(KIND, 4, v0, roff, n, w, a); break;
+        case 5: vrow_avx2(KIND, 5, v0, roff, n, w, a); break;
+        case 6: vrow_avx2(KIND, 6, v0, roff, n, w, a); break;
+        case 7: vrow_avx2(KIND, 7, v0, roff, n, w, a); break;
+        default: vrow_avx2(KIND, 8, v0, roff, n, w, a); break;
     }
 }
 
 /* AVX2 pass 3: acc[j * D ..] = the weighted sum of V for each query head j (acc zeroed first) */
-ALWAYS_INLINE void vsum_avx2(const int BF16, const decode_args* a, const int32_t* bt, int len, int h0, int h1,
+ALWAYS_INLINE void vsum_avx2(const int KIND, const decode_args* a, const int32_t* bt, int len, int h0, int h1,
                              const float* sc, float* acc) {
     const paged_cache* c = &a->c;
-    const int G = a->Hq / a->Hkv, ND = a->D / 8, D = a->D, nch = (len + 7) / 8, lpad = nch * 8, es = BF16 ? 2 : 4;
+    const int G = a->Hq / a->Hkv, ND = a->D / 8, D = a->D, nch = (len + 7) / 8, lpad = nch * 8, es = elem_size(KIND);
     int64_t roff[8];
+    float vs[8], ws[8]; /* int8: the rows' scales, and the chunk's weights times them */
     for (int b = 0; b < nch; b++) {
         const int n = (b == nch - 1) ? len - b * 8 : 8;
         for (int t = 0; t < n; t++) roff[t] = row_offset(c, bt, b * 8 + t);
         prefetch_rows(c->v, c, bt, (b + PF_CHUNKS) * 8, len, (int)(c->c_ts * es), es);
         for (int h = h0; h < h1; h++) {
-            const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, BF16);
+            const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, KIND);
+            if (KIND == ELEM_I8)
+                for (int t = 0; t < n; t++) vs[t] = row_scale(elem_at(v0, roff[t], KIND), D, KIND);
             for (int g = 0; g < G; g++) {
                 const int j = (h - h0) * G + g;
                 const float* w = sc + (int64_t)j * lpad + b * 8;
+                if (KIND == ELEM_I8) {
+                    for (int t = 0; t < n; t++) ws[t] = w[t] * vs[t];
+                    w = ws;
+                }
                 float* aj = acc + (int64_t)j * D;
                 for (int c0 = 0; c0 < ND; c0 += 8) /* up to 8 accumulators in registers */
-                    vrow_avx2n(BF16, ND - c0 < 8 ? ND - c0 : 8, elem_at(v0, 8 * c0, BF16), roff, n, w, aj + 8 * c0);
+                    vrow_avx2n(KIND, ND - c0 < 8 ? ND - c0 : 8, elem_at(v0, 8 * c0, KIND), roff, n, w, aj + 8 * c0);
             }
         }
     }
 }
 
-ALWAYS_INLINE void item_avx2(const int BF16, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+ALWAYS_INLINE void item_avx2(const int KIND, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
     const int len = a->lens[s], nh = (h1 - h0) * (a->Hq / a->Hkv), lpad = (len + 7) / 8 * 8;
     const int32_t* bt = a->bt + s * a->bt_ss;
     __m256 mx[MAX_HEADS];
     for (int j = 0; j < nh; j++) mx[j] = _mm256_set1_ps(-INFINITY);
-    scores_avx2(BF16, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
+    scores_avx2(KIND, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
     float inv[MAX_HEADS];
     softmax_rows(sc, nh, lpad, mx, inv);
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
-    vsum_avx2(BF16, a, bt, len, h0, h1, sc, acc);
+    vsum_avx2(KIND, a, bt, len, h0, h1, sc, acc);
     store_output(a, s, h0, nh, acc, inv);
 }
 
 static void item_avx2_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item_avx2(0, &l, s, h0, h1, sc, acc);
+    item_avx2(ELEM_F32, &l, s, h0, h1, sc, acc);
 }
 static void item_avx2_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item_avx2(1, &l, s, h0, h1, sc, acc);
+    item_avx2(ELEM_BF16, &l, s, h0, h1, sc, acc);
+}
+static void item_avx2_i8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item_avx2(ELEM_I8, &l, s, h0, h1, sc, acc);
 }
 
 #if INFERQ_HAVE_AVX512
@@ -321,7 +350,7 @@ static inline int chunk_rows(const paged_cache* c, const int32_t* bt, int len, i
 }
 
 /* the scores of NG query heads (q_hs apart) against the 8 rows at k0 + roff[t]; prefetches pf0 + pfoff[t] */
-ALWAYS_INLINE void kdot512(const int BF16, const int NG, const float* q, int64_t q_hs, const void* k0,
+ALWAYS_INLINE void kdot512(const int KIND, const int NG, const float* q, int64_t q_hs, const void* k0,
                            const int64_t* roff, const void* pf0, const int64_t* pfoff, int ND16, __m256* out) {
     __m512 a[3][8];
 #pragma GCC unroll 3
@@ -334,8 +363,8 @@ ALWAYS_INLINE void kdot512(const int BF16, const int NG, const float* q, int64_t
         for (int g = 0; g < NG; g++) qv[g] = _mm512_loadu_ps(q + g * q_hs + 16 * c);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
-            const __m512 kv = load16(k0, roff[t] + 16 * c, BF16);
-            if (pf0) _mm_prefetch((const char*)elem_at(pf0, pfoff[t] + 16 * c, BF16), _MM_HINT_T0);
+            const __m512 kv = load16(k0, roff[t] + 16 * c, KIND);
+            if (pf0) _mm_prefetch((const char*)elem_at(pf0, pfoff[t] + 16 * c, KIND), _MM_HINT_T0);
 #pragma GCC unroll 3
             for (int g = 0; g < NG; g++) a[g][t] = _mm512_fmadd_ps(qv[g], kv, a[g][t]);
         }
@@ -351,7 +380,7 @@ ALWAYS_INLINE void kdot512(const int BF16, const int NG, const float* q, int64_t
 
 /* acc rows of NG query heads (D apart), NC zmm wide, += the weights w[g * wstride + t] times the n rows at
    v0 + roff[t]; prefetches pf0 + pfoff[t] */
-ALWAYS_INLINE void vsum512(const int BF16, const int NG, const int NC, const void* v0, const int64_t* roff, int n,
+ALWAYS_INLINE void vsum512(const int KIND, const int NG, const int NC, const void* v0, const int64_t* roff, int n,
                            const float* w, int64_t wstride, float* acc, int D, const void* pf0,
                            const int64_t* pfoff) {
     __m512 r[3][4];
@@ -365,8 +394,8 @@ ALWAYS_INLINE void vsum512(const int BF16, const int NG, const int NC, const voi
         for (int g = 0; g < NG; g++) wt[g] = _mm512_set1_ps(w[g * wstride + t]);
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
-            const __m512 x = load16(v0, roff[t] + 16 * c, BF16);
-            if (pf0) _mm_prefetch((const char*)elem_at(pf0, pfoff[t] + 16 * c, BF16), _MM_HINT_T0);
+            const __m512 x = load16(v0, roff[t] + 16 * c, KIND);
+            if (pf0) _mm_prefetch((const char*)elem_at(pf0, pfoff[t] + 16 * c, KIND), _MM_HINT_T0);
 #pragma GCC unroll 3
             for (int g = 0; g < NG; g++) r[g][c] = _mm512_fmadd_ps(wt[g], x, r[g][c]);
         }
@@ -377,32 +406,39 @@ ALWAYS_INLINE void vsum512(const int BF16, const int NG, const int NC, const voi
         for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + g * D + 16 * c, r[g][c]);
 }
 
-/* kdot512 / vsum512 with their head and width counts made compile-time constants */
-ALWAYS_INLINE void kdot512n(const int BF16, int ng, const float* q, int64_t q_hs, const void* k0,
-                            const int64_t* roff, const void* pf0, const int64_t* pfoff, int ND16, __m256* out) {
-    if (ng == 3) kdot512(BF16, 3, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
-    else if (ng == 2) kdot512(BF16, 2, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
-    else kdot512(BF16, 1, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
+/* int8 rows: prefetch the line of the last byte (the scale) of the 8 rows at p0 + pfoff[t], which the loads'
+   one-line-per-16-codes prefetches can stop short of */
+ALWAYS_INLINE void prefetch_tails(const int KIND, const void* p0, const int64_t* pfoff, int D) {
+    if (KIND != ELEM_I8) return;
+    for (int t = 0; t < 8; t++) _mm_prefetch((const char*)p0 + pfoff[t] + D + 3, _MM_HINT_T0);
 }
 
-ALWAYS_INLINE void vsum512n(const int BF16, int ng, int nc, const void* v0, const int64_t* roff, int n,
+/* kdot512 / vsum512 with their head and width counts made compile-time constants */
+ALWAYS_INLINE void kdot512n(const int KIND, int ng, const float* q, int64_t q_hs, const void* k0,
+                            const int64_t* roff, const void* pf0, const int64_t* pfoff, int ND16, __m256* out) {
+    if (ng == 3) kdot512(KIND, 3, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
+    else if (ng == 2) kdot512(KIND, 2, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
+    else kdot512(KIND, 1, q, q_hs, k0, roff, pf0, pfoff, ND16, out);
+}
+
+ALWAYS_INLINE void vsum512n(const int KIND, int ng, int nc, const void* v0, const int64_t* roff, int n,
                             const float* w, int64_t wstride, float* acc, int D, const void* pf0,
                             const int64_t* pfoff) {
     switch (ng * 4 + nc) {
-        case 5: vsum512(BF16, 1, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        case 6: vsum512(BF16, 1, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        case 8: vsum512(BF16, 1, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        case 9: vsum512(BF16, 2, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        case 10: vsum512(BF16, 2, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        case 12: vsum512(BF16, 2, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        case 13: vsum512(BF16, 3, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        case 14: vsum512(BF16, 3, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
-        default: vsum512(BF16, 3, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 5: vsum512(KIND, 1, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 6: vsum512(KIND, 1, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 8: vsum512(KIND, 1, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 9: vsum512(KIND, 2, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 10: vsum512(KIND, 2, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 12: vsum512(KIND, 2, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 13: vsum512(KIND, 3, 1, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        case 14: vsum512(KIND, 3, 2, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
+        default: vsum512(KIND, 3, 4, v0, roff, n, w, wstride, acc, D, pf0, pfoff); break;
     }
 }
 
 /* AVX-512 pass 1, as scores_avx2 */
-ALWAYS_INLINE void scores512(const int BF16, const decode_args* a, const float* q, const int32_t* bt, int len,
+ALWAYS_INLINE void scores512(const int KIND, const decode_args* a, const float* q, const int32_t* bt, int len,
                              int h0, int h1, float* sc, __m256* mx) {
     const paged_cache* c = &a->c;
     const int G = a->Hq / a->Hkv, ND16 = a->D / 16, nch = (len + 7) / 8, lpad = nch * 8;
@@ -414,15 +450,17 @@ ALWAYS_INLINE void scores512(const int BF16, const decode_args* a, const float* 
         const int pf = chunk_rows(c, bt, len, nch, b, roff, pfoff);
         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
         for (int h = h0; h < h1; h++) {
-            const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, BF16);
+            const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, KIND);
+            const __m256 ks = KIND == ELEM_I8 ? _mm256_mul_ps(row_scales8(k0, roff, a->D, KIND), vscale) : vscale;
+            if (pf) prefetch_tails(KIND, k0, pfoff, a->D);
             for (int g0 = 0; g0 < G; g0 += 3) {
                 const int ng = G - g0 < 3 ? G - g0 : 3;
                 __m256 sv[3];
-                kdot512n(BF16, ng, q + (int64_t)(h * G + g0) * a->q_hs, a->q_hs, k0, roff,
+                kdot512n(KIND, ng, q + (int64_t)(h * G + g0) * a->q_hs, a->q_hs, k0, roff,
                          (pf && g0 == 0) ? k0 : 0, pfoff, ND16, sv);
                 for (int g = 0; g < ng; g++) {
                     const int j = (h - h0) * G + g0 + g;
-                    const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(sv[g], vscale), valid);
+                    const __m256 r = _mm256_blendv_ps(ninf, _mm256_mul_ps(sv[g], ks), valid);
                     _mm256_storeu_ps(sc + (int64_t)j * lpad + b * 8, r);
                     mx[j] = _mm256_max_ps(mx[j], r);
                 }
@@ -432,119 +470,169 @@ ALWAYS_INLINE void scores512(const int BF16, const decode_args* a, const float* 
 }
 
 /* AVX-512 pass 3, as vsum_avx2 */
-ALWAYS_INLINE void vsum512_item(const int BF16, const decode_args* a, const int32_t* bt, int len, int h0, int h1,
+ALWAYS_INLINE void vsum512_item(const int KIND, const decode_args* a, const int32_t* bt, int len, int h0, int h1,
                                 const float* sc, float* acc) {
     const paged_cache* c = &a->c;
     const int G = a->Hq / a->Hkv, D = a->D, ND16 = D / 16, nch = (len + 7) / 8, lpad = nch * 8;
     const int nc = ND16 % 4 == 0 ? 4 : (ND16 % 2 == 0 ? 2 : 1);
     int64_t roff[8], pfoff[8] = {0}; /* pfoff: read only where chunk_rows filled it */
+    float vs[8], ws[3 * 8];            /* int8: the rows' scales, and the weights of 3 query heads times them */
     for (int b = 0; b < nch; b++) {
         const int n = (b == nch - 1) ? len - b * 8 : 8;
         const int pf = chunk_rows(c, bt, len, nch, b, roff, pfoff);
         for (int h = h0; h < h1; h++) {
-            const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, BF16);
+            const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, KIND);
+            if (KIND == ELEM_I8)
+                for (int t = 0; t < n; t++) vs[t] = row_scale(elem_at(v0, roff[t], KIND), D, KIND);
+            if (pf) prefetch_tails(KIND, v0, pfoff, D);
             for (int g0 = 0; g0 < G; g0 += 3) {
                 const int ng = G - g0 < 3 ? G - g0 : 3;
                 const int j = (h - h0) * G + g0;
+                const float* w = sc + (int64_t)j * lpad + b * 8;
+                int64_t wstride = lpad;
+                if (KIND == ELEM_I8) {
+                    for (int g = 0; g < ng; g++)
+                        for (int t = 0; t < n; t++) ws[g * 8 + t] = w[(int64_t)g * lpad + t] * vs[t];
+                    w = ws;
+                    wstride = 8;
+                }
                 for (int c0 = 0; c0 < ND16; c0 += nc) {
-                    const void* vc0 = elem_at(v0, 16 * c0, BF16);
-                    vsum512n(BF16, ng, nc, vc0, roff, n, sc + (int64_t)j * lpad + b * 8, lpad,
-                             acc + (int64_t)j * D + 16 * c0, D, (pf && g0 == 0) ? vc0 : 0, pfoff);
+                    const void* vc0 = elem_at(v0, 16 * c0, KIND);
+                    vsum512n(KIND, ng, nc, vc0, roff, n, w, wstride, acc + (int64_t)j * D + 16 * c0, D,
+                             (pf && g0 == 0) ? vc0 : 0, pfoff);
                 }
             }
         }
     }
 }
 
-ALWAYS_INLINE void item512(const int BF16, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+ALWAYS_INLINE void item512(const int KIND, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
     const int len = a->lens[s], nh = (h1 - h0) * (a->Hq / a->Hkv), lpad = (len + 7) / 8 * 8;
     const int32_t* bt = a->bt + s * a->bt_ss;
     __m256 mx[MAX_HEADS];
     for (int j = 0; j < nh; j++) mx[j] = _mm256_set1_ps(-INFINITY);
-    scores512(BF16, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
+    scores512(KIND, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
     float inv[MAX_HEADS];
     softmax_rows(sc, nh, lpad, mx, inv);
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
-    vsum512_item(BF16, a, bt, len, h0, h1, sc, acc);
+    vsum512_item(KIND, a, bt, len, h0, h1, sc, acc);
     store_output(a, s, h0, nh, acc, inv);
 }
 
 static void item512_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item512(0, &l, s, h0, h1, sc, acc);
+    item512(ELEM_F32, &l, s, h0, h1, sc, acc);
 }
 static void item512_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item512(1, &l, s, h0, h1, sc, acc);
+    item512(ELEM_BF16, &l, s, h0, h1, sc, acc);
+}
+static void item512_i8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item512(ELEM_I8, &l, s, h0, h1, sc, acc);
 }
 #endif /* INFERQ_HAVE_AVX512 */
 
 /* one vector work item: the AVX-512 form where `wide` (built, enabled, head dim a multiple of 16), else AVX2 */
-static inline void vector_item(int bf16, int wide, const decode_args* a, int s, int h0, int h1, float* sc,
+static inline void vector_item(int kind, int wide, const decode_args* a, int s, int h0, int h1, float* sc,
                                float* acc) {
 #if INFERQ_HAVE_AVX512
     if (wide) {
-        if (bf16) item512_bf16(a, s, h0, h1, sc, acc);
+        if (kind == ELEM_I8) item512_i8(a, s, h0, h1, sc, acc);
+        else if (kind == ELEM_BF16) item512_bf16(a, s, h0, h1, sc, acc);
         else item512_f32(a, s, h0, h1, sc, acc);
         return;
     }
 #else
     (void)wide;
 #endif
-    if (bf16) item_avx2_bf16(a, s, h0, h1, sc, acc);
+    if (kind == ELEM_I8) item_avx2_i8(a, s, h0, h1, sc, acc);
+    else if (kind == ELEM_BF16) item_avx2_bf16(a, s, h0, h1, sc, acc);
     else item_avx2_f32(a, s, h0, h1, sc, acc);
 }
 
 /* the vector path: whole sequences per item when there are enough to share out, else one kv head per item */
-static int decode_vector(int bf16, const decode_args* a) {
-    const int G = a->Hq / a->Hkv, Hkv = a->Hkv, S = a->S;
-    if (G * Hkv != a->Hq || !vector_shape(a->D, a->c.bs)) return 1;
-    int per = (S >= 4 * omp_get_max_threads()) ? Hkv : 1; /* a single long sequence still uses every thread */
+/* Query heads per vector work item for `threads` threads: whole sequences when there are enough to share out, else
+   one kv head per item (a single long sequence still uses every thread); 0 where the shape is not handled. */
+static int vector_heads_per_item(const decode_args* a, int threads) {
+    const int G = a->Hq / a->Hkv, Hkv = a->Hkv;
+    if (G * Hkv != a->Hq || !vector_shape(a->D, a->c.bs)) return 0;
+    int per = (a->S >= 4 * threads) ? Hkv : 1;
     while (per > 1 && (per * G > MAX_HEADS || Hkv % per)) per--;
-    if (per * G > MAX_HEADS) return 1;
-    const int parts = Hkv / per, wide = INFERQ_HAVE_AVX512 && use_avx512 && (a->D / 8) % 2 == 0;
-    int err = 0;
-#pragma omp parallel
-    {
-        const unsigned int csr = flush_denormals(); /* results differ from IEEE by < 1e-38 */
-        const int lp = ((a->max_len > 0 ? a->max_len : 1) + 7) / 8 * 8;
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(per * G) * (size_t)lp);
-        float* acc = (float*)malloc(sizeof(float) * (size_t)(per * G) * (size_t)a->D);
-        if (!sc || !acc) {
+    return per * G > MAX_HEADS ? 0 : per;
+}
+
+/* The vector items, shared over the team of the enclosing parallel region like generic_share. */
+static void vector_share(int kind, const decode_args* a, int per, int* err) {
+    const int G = a->Hq / a->Hkv, S = a->S;
+    const int parts = a->Hkv / per, wide = INFERQ_HAVE_AVX512 && use_avx512 && (a->D / 8) % 2 == 0;
+    const unsigned int csr = flush_denormals(); /* results differ from IEEE by < 1e-38 */
+    const int lp = ((a->max_len > 0 ? a->max_len : 1) + 7) / 8 * 8;
+    float* sc = (float*)malloc(sizeof(float) * (size_t)(per * G) * (size_t)lp);
+    float* acc = (float*)malloc(sizeof(float) * (size_t)(per * G) * (size_t)a->D);
+    if (!sc || !acc) {
 #pragma omp atomic write
-            err = 2;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < (int64_t)S * parts; i++) {
-            if (!sc || !acc) continue;
-            const int s = (int)(i / parts), h0 = (int)(i % parts) * per;
-            if (a->lens[s] <= 0) continue;
-            vector_item(bf16, wide, a, s, h0, h0 + per, sc, acc);
-        }
-        free(sc);
-        free(acc);
-        _mm_setcsr(csr);
+        *err = 2;
     }
-    return err;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < (int64_t)S * parts; i++) {
+        if (!sc || !acc) continue;
+        const int s = (int)(i / parts), h0 = (int)(i % parts) * per;
+        if (a->lens[s] <= 0) continue;
+        vector_item(kind, wide, a, s, h0, h0 + per, sc, acc);
+    }
+    free(sc);
+    free(acc);
+    _mm_setcsr(csr);
 }
 #endif /* INFERQ_HAVE_AVX2 */
 
-static int decode(int bf16, const decode_args* a) {
+/* The items of one call shared over `threads` threads of the team that runs this (every member calls it, all
+   reach the work-sharing loop's barrier): the vector path where it handles the shape, else the portable one.
+   Returns 0, 1 where the shape is not handled (before any barrier, the same for every member), 2 where this
+   thread's scratch could not be allocated. */
+static int decode_share(int kind, const decode_args* a, int threads) {
+    int err = 0;
 #if INFERQ_HAVE_AVX2
-    if (vector_shape(a->D, a->c.bs) && !force_generic) return decode_vector(bf16, a);
+    if (vector_shape(a->D, a->c.bs) && !force_generic) {
+        const int per = vector_heads_per_item(a, threads);
+        if (!per) return 1;
+        vector_share(kind, a, per, &err);
+        return err;
+    }
+#else
+    (void)threads;
 #endif
-    return decode_generic(bf16, a);
+    if (!generic_shape(a)) return 1;
+    generic_share(kind, a, &err);
+    return err;
+}
+
+/* One call with a parallel region of its own. */
+static int decode(int kind, const decode_args* a) {
+    const int threads = omp_get_max_threads();
+    int err = 0;
+#pragma omp parallel
+    {
+        const int e = decode_share(kind, a, threads);
+        if (e) {
+#pragma omp atomic write
+            err = e;
+        }
+    }
+    return err;
 }
 
 /* Attention of one query token per sequence: q [S, Hq, D] (sequence and head strides q_ss, q_hs), caches of
    [blocks, bs, Hkv, D] (strides c_bs, c_ts, c_hs), block tables bt (row stride bt_ss), lens[S], out like q.
-   Returns 0, 1 where the shape is not handled, 2 where memory ran out. */
+   Returns 0, 1 where the shape is not handled, 2 where memory ran out. decode_i8: caches of int8 rows
+   [blocks, bs, Hkv, D + 4] (D codes, then the float32 scale), strides in bytes, D the head dim. */
 int decode_f32(const float* q, int64_t q_ss, int64_t q_hs, const float* kc, const float* vc, int64_t c_bs,
                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
                            o_hs, S, Hq, Hkv, D, max_len, scale};
-    return decode(0, &a);
+    return decode(ELEM_F32, &a);
 }
 
 int decode_bf16(const float* q, int64_t q_ss, int64_t q_hs, const uint16_t* kc, const uint16_t* vc, int64_t c_bs,
@@ -552,5 +640,23 @@ int decode_bf16(const float* q, int64_t q_ss, int64_t q_hs, const uint16_t* kc, 
                 int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
                            o_hs, S, Hq, Hkv, D, max_len, scale};
-    return decode(1, &a);
+    return decode(ELEM_BF16, &a);
+}
+
+int decode_i8(const float* q, int64_t q_ss, int64_t q_hs, const int8_t* kc, const int8_t* vc, int64_t c_bs,
+              int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
+              int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
+    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
+    return decode(ELEM_I8, &a);
+}
+
+/* decode_f32 / decode_bf16 / decode_i8 (kind ELEM_F32, ELEM_BF16, ELEM_I8) run by the team of an enclosing parallel
+   region (kernels/csrc/decode_step.c): every member calls it; it ends with the team's barrier. */
+int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
+                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
+                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
+    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
+    return decode_share(kind, &a, omp_get_num_threads());
 }

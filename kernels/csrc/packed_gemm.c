@@ -28,7 +28,7 @@
 #else
 #define SPLIT_K(MR) ((MR) == 1 ? 4 : (MR) <= 3 ? 2 : 1)
 #endif
-#define X_BLOCK_BYTES (192 * 1024) /* see gemm_any */
+#define X_BLOCK_BYTES (192 * 1024) /* see gemm_share */
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
    call site (always_inline), so the row loops unroll and the accumulators live in registers. */
@@ -169,22 +169,22 @@ DEFINE_TILE(tile_bf16, TILE_SWITCH6, block, 1, float)
 #define TILE_BF16 tile_bf16
 #endif
 
-int has_avx512(void) { return TILE_ROWS == 12; }
+int gemm_has_avx512(void) { return TILE_ROWS == 12; }
 
 /* y[M, N] (row stride ys) = or += x[M, K] (row stride xs) . W^T + b, W packed as [ceil(N/16), K, 16] panels of
    w_bytes per element, one tile of at most tile_rows rows at a time. Large M runs in row blocks whose x rows
    (about X_BLOCK_BYTES) stay in L2 while every panel of the thread's share passes over them; without blocks,
    each panel re-read all M rows of x from L3 (for a 2048 x 576 prefill chunk, 4.7 MB per 16 output columns).
    The first tile of each panel prefetches the next panel. */
-static void gemm_any(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int w_bytes, const void* x, int64_t xs,
-                     const void* wp, const float* b, void* y, int64_t ys, int M, int N, int K, int accumulate) {
+static void gemm_share(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int w_bytes, const void* x,
+                       int64_t xs, const void* wp, const float* b, void* y, int64_t ys, int M, int N, int K,
+                       int accumulate) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     const int np = (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = (int64_t)K * PANEL * w_bytes;
     int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * x_bytes)) / tile_rows * tile_rows;
     if (mb < 4 * tile_rows) mb = 4 * tile_rows;
     if (M <= 2 * mb) mb = M;
-    #pragma omp parallel
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb;
         const int tiles = (rows + tile_rows - 1) / tile_rows; /* near-equal tiles: 8 -> 4 + 4 with AVX2's 6 */
@@ -203,6 +203,22 @@ static void gemm_any(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int 
             }
         }
     }
+}
+
+/* gemm_share's panels shared out over a parallel region of its own */
+static void gemm_any(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int w_bytes, const void* x, int64_t xs,
+                     const void* wp, const float* b, void* y, int64_t ys, int M, int N, int K, int accumulate) {
+    #pragma omp parallel
+    gemm_share(tile, tile_rows, x_bytes, y_bytes, w_bytes, x, xs, wp, b, y, ys, M, N, K, accumulate);
+}
+
+/* The same product run by the team of an enclosing parallel region (kernels/csrc/decode_step.c): each thread
+   takes its static share of the panels and returns without a barrier (the caller places one before y is
+   read). Called outside a parallel region, one thread does it all. bf16: bfloat16 panels, widened. */
+void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys, int M,
+               int N, int K, int accumulate) {
+    gemm_share(bf16 ? TILE_BF16 : TILE_F32, TILE_ROWS, 4, 4, bf16 ? 2 : 4, x, xs, wp, b, y, ys, M, N, K,
+               accumulate);
 }
 
 /* float32 panels (gemm) or bfloat16 ones widened as they are loaded (gemm_bf16); x, y, b and the sums float32 */

@@ -1,5 +1,5 @@
 /* Helpers shared by the CPU kernels (decode_attention.c, prefill_attention.c, packed_gemm.c): which instruction
-   sets a build uses, bfloat16 widening, and the AVX2 / AVX-512 exp, horizontal sums and dot products.
+   sets a build uses, bfloat16 and int8 widening, and the AVX2 / AVX-512 exp, horizontal sums and dot products.
 
    Build options (-D, passed by kernels/native.py's build(..., defines=...)); the instruction sets themselves
    come from the compiler's own macros (-march=native):
@@ -32,18 +32,40 @@
    gets code specialised for its constants: the C form of a template. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Element i of p, an array of float32 (bf16 == 0) or of bfloat16 (bf16 == 1). */
-ALWAYS_INLINE const void* elem_at(const void* p, int64_t i, const int bf16) {
-    return (const char*)p + i * (bf16 ? 2 : 4);
+/* The element kinds of the arrays the helpers read (a compile-time constant at every call site):
+     ELEM_F32  float32
+     ELEM_BF16 bfloat16
+     ELEM_I8   int8 KV cache rows (kernels/kv_quant.py): D codes, then the row's float32 scale in 4 more bytes.
+               The helpers widen the codes only; the scale (row_scale) is applied by the caller, once per row
+               product, not once per element. */
+#define ELEM_F32 0
+#define ELEM_BF16 1
+#define ELEM_I8 2
+
+ALWAYS_INLINE int elem_size(const int kind) { return kind == ELEM_F32 ? 4 : (kind == ELEM_BF16 ? 2 : 1); }
+
+/* Element i of p, an array of `kind` elements. */
+ALWAYS_INLINE const void* elem_at(const void* p, int64_t i, const int kind) {
+    return (const char*)p + i * elem_size(kind);
 }
 
-/* bfloat16 -> float32 is a 16-bit shift into the high half. */
-ALWAYS_INLINE float load1(const void* p, int64_t i, const int bf16) {
-    if (!bf16) return ((const float*)p)[i];
+/* bfloat16 -> float32 is a 16-bit shift into the high half; an int8 code converts exactly. */
+ALWAYS_INLINE float load1(const void* p, int64_t i, const int kind) {
+    if (kind == ELEM_F32) return ((const float*)p)[i];
+    if (kind == ELEM_I8) return (float)((const int8_t*)p)[i];
     const uint32_t u = ((uint32_t)((const uint16_t*)p)[i]) << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* The scale of the int8 row at `row` (its D codes, then the float32 scale, unaligned where the rows are); 1 for
+   the float kinds, whose rows are their values. */
+ALWAYS_INLINE float row_scale(const void* row, int D, const int kind) {
+    if (kind != ELEM_I8) return 1.f;
+    float s;
+    memcpy(&s, (const char*)row + D, 4);
+    return s;
 }
 
 /* float32 -> bfloat16, rounded to nearest even (as torch rounds); a NaN stays a (quiet) NaN. */
@@ -57,9 +79,11 @@ ALWAYS_INLINE uint16_t to_bf16(float f) {
 #if INFERQ_HAVE_AVX2
 #include <immintrin.h>
 
-/* 8 values from element i of p (float32, or bfloat16 widened) */
-ALWAYS_INLINE __m256 load8(const void* p, int64_t i, const int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float*)p + i);
+/* 8 values from element i of p (float32, or bfloat16 / int8 codes widened) */
+ALWAYS_INLINE __m256 load8(const void* p, int64_t i, const int kind) {
+    if (kind == ELEM_F32) return _mm256_loadu_ps((const float*)p + i);
+    if (kind == ELEM_I8) /* one 8-byte load sign-extended (vpmovsxbd folds the load), then converted exactly */
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)p + i))));
     const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -105,15 +129,25 @@ static inline float hsum8(__m256 v) {
 }
 
 /* q . k for the 8 rows at k + roff[0..7] (D = 8 * ND values each): 8 independent FMA chains, one per row,
-   summed across lanes into one vector of 8 dot products. */
-ALWAYS_INLINE __m256 dot8(const float* q, const void* k, const int64_t* roff, int ND, const int bf16) {
+   summed across lanes into one vector of 8 dot products (of the codes, for int8 rows: times row_scales8). */
+ALWAYS_INLINE __m256 dot8(const float* q, const void* k, const int64_t* roff, int ND, const int kind) {
     __m256 a[8];
     for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
     for (int c = 0; c < ND; c++) {
         const __m256 qc = _mm256_loadu_ps(q + 8 * c);
-        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qc, load8(k, roff[t] + 8 * c, bf16), a[t]);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qc, load8(k, roff[t] + 8 * c, kind), a[t]);
     }
     return transpose_sum8(a);
+}
+
+/* the scales of the 8 int8 rows at k + roff[t] (all 8 offsets valid), lane t for row t; ones for float rows */
+ALWAYS_INLINE __m256 row_scales8(const void* k, const int64_t* roff, int D, const int kind) {
+    if (kind != ELEM_I8) return _mm256_set1_ps(1.f);
+    const char* p = (const char*)k;
+    return _mm256_setr_ps(row_scale(p + roff[0], D, kind), row_scale(p + roff[1], D, kind),
+                          row_scale(p + roff[2], D, kind), row_scale(p + roff[3], D, kind),
+                          row_scale(p + roff[4], D, kind), row_scale(p + roff[5], D, kind),
+                          row_scale(p + roff[6], D, kind), row_scale(p + roff[7], D, kind));
 }
 
 /* Flush denormals to zero (MXCSR FTZ + DAZ) while a kernel runs; returns the caller's setting to restore. Tiny
@@ -126,9 +160,11 @@ static inline unsigned int flush_denormals(void) {
 #endif /* INFERQ_HAVE_AVX2 */
 
 #if INFERQ_HAVE_AVX512
-/* 16 values from element i of p (float32, or bfloat16 widened) */
-ALWAYS_INLINE __m512 load16(const void* p, int64_t i, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float*)p + i);
+/* 16 values from element i of p (float32, or bfloat16 / int8 codes widened) */
+ALWAYS_INLINE __m512 load16(const void* p, int64_t i, const int kind) {
+    if (kind == ELEM_F32) return _mm512_loadu_ps((const float*)p + i);
+    if (kind == ELEM_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)p + i))));
     const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -139,8 +175,9 @@ static inline __m256 fold512(__m512 v) {
 }
 #endif /* INFERQ_HAVE_AVX512 */
 
-/* The paged KV cache of one layer as the attention kernels read it. Strides are in elements; in the vector
-   paths (power-of-two block sizes) position p of a sequence is row p & msk of block bt[p >> sh]. */
+/* The paged KV cache of one layer as the attention kernels read it. Strides are in elements (bytes in an int8
+   cache, whose rows are D + 4 wide: codes and scale); in the vector paths (power-of-two block sizes) position p
+   of a sequence is row p & msk of block bt[p >> sh]. */
 typedef struct {
     const void* k;
     const void* v;

@@ -135,14 +135,14 @@ def test_packed_kernel_takes_strided_rows_and_a_strided_output():
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(not packed_gemm.available() or not packed_gemm._load().has_avx512(),
+@pytest.mark.skipif(not packed_gemm.available() or not packed_gemm._load().gemm_has_avx512(),
                     reason="only an AVX-512 build has a second path to compare")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx2_build_of_the_source_matches_f_linear(dtype):
     """On an AVX-512 machine the AVX2 tiles (1-6 rows) are otherwise untested: build the library without its
     AVX-512 code (the INFERQ_NO_AVX512 build option: what an AVX2-only CPU gets) and check it too."""
     lib = packed_gemm.build({"INFERQ_NO_AVX512": 1})
-    assert lib is not None and not lib.has_avx512() and not lib.has_bf16_dot()
+    assert lib is not None and not lib.gemm_has_avx512() and not lib.has_bf16_dot()
     fn = lib.gemm if dtype == torch.float32 else lib.gemm_bf16
     g = torch.Generator().manual_seed(11)
     for m, n, k in [(1, 16, 8), (1, 40, 37), (2, 20, 9), (5, 33, 64), (6, 48, 1), (13, 100, 29), (131, 50, 70)]:

@@ -1,0 +1,125 @@
+/* One decode step of a Llama-family decoder for a few sequences (one new token each): every layer inside one
+   OpenMP parallel region, the thread team meeting at a barrier between the phases of a layer.
+
+   Why: at batch 1 a step is about ten operations per layer (two norms, four products, RoPE, the KV write,
+   attention, SwiGLU), each of which, as a torch op or a ctypes call, pays its dispatch, a fork and join of the
+   thread team, and the Python between it and the next: together more than the attention itself, for a step
+   whose floor is reading the weights once. Here the team is forked once per step. The arithmetic is the same
+   functions the separate calls run (the packed GEMM tiles, rms_norm_f32, rope_interleaved_f32, silu_mul_f32,
+   the decode attention kernel), in the same order, so the result is bit-identical to the op-by-op forward
+   (tests/unit/test_decode_step.py). Float32 activations; float32 or bfloat16 (widened) weight panels; a float32
+   or bfloat16 KV cache. Built with those kernels' sources into one library (kernels/decode_step.py). */
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* the ops it chains, from their own sources in this library */
+void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys, int M,
+               int N, int K, int accumulate);
+int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
+                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
+                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len);
+void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps);
+void rope_interleaved_f32(float* x, int64_t xs, const float* rot, int64_t rs, int T, int heads, int half);
+void silu_mul_f32(float* gu, int64_t rs, int T, int inter);
+
+/* One layer's weights: packed panels [ceil(N/16), K, 16] (kernels/packed_gemm.py), biases or NULL, the norms'
+   float32 weights, and its K and V pools [blocks, bs, Hkv, D]. */
+typedef struct {
+    const void *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const float *input_norm, *post_norm;
+    void *k_cache, *v_cache;
+} step_layer;
+
+/* The model's shape and buffers (set once) and the step's inputs (set per call); kernels/decode_step.py's
+   ctypes Structure mirrors it field for field. */
+typedef struct {
+    const step_layer* layers;
+    int L, H, Hq, Hkv, D, inter;
+    int w_bf16;  /* weight panels in bfloat16 */
+    int kv_kind; /* ELEM_F32 or ELEM_BF16 */
+    int bs;
+    int64_t c_bs, c_ts, c_hs; /* cache strides in elements */
+    float eps, scale;
+    float *h, *qkv, *attn, *gu; /* scratch rows: [M, H], [M, (Hq + 2 Hkv) D], [M, Hq D], [M, 2 inter] */
+    float* x;                   /* [M, H]: the embedded tokens in, the last layer's residual stream out */
+    int M;
+    const float* rot;     /* [M, D/2, 2]: cos and sin of each token's position per frequency */
+    const int64_t* slots; /* [M]: each new token's cache slot (block * bs + offset); < 0 writes nothing */
+    const int32_t* bt;    /* block tables [M, bt_ss] */
+    int64_t bt_ss;
+    const int32_t* lens; /* context lengths, the new token included */
+    int max_len;
+} step_args;
+
+/* The new tokens' keys and values (after RoPE) into their slots, converted to the cache's element type. */
+static void write_kv(const step_args* a, const step_layer* w) {
+    const int D = a->D, nqkv = (a->Hq + 2 * a->Hkv) * D;
+    for (int t = 0; t < a->M; t++) {
+        const int64_t slot = a->slots[t];
+        if (slot < 0) continue;
+        const int64_t at = (slot / a->bs) * a->c_bs + (slot % a->bs) * a->c_ts;
+        const float* k = a->qkv + (int64_t)t * nqkv + (int64_t)a->Hq * D;
+        const float* v = k + (int64_t)a->Hkv * D;
+        for (int h = 0; h < a->Hkv; h++) {
+            const int64_t dst = at + (int64_t)h * a->c_hs;
+            if (a->kv_kind == ELEM_F32) {
+                memcpy((float*)w->k_cache + dst, k + (int64_t)h * D, sizeof(float) * (size_t)D);
+                memcpy((float*)w->v_cache + dst, v + (int64_t)h * D, sizeof(float) * (size_t)D);
+            } else {
+                uint16_t *kc = (uint16_t*)w->k_cache + dst, *vc = (uint16_t*)w->v_cache + dst;
+                for (int i = 0; i < D; i++) {
+                    kc[i] = to_bf16(k[(int64_t)h * D + i]);
+                    vc[i] = to_bf16(v[(int64_t)h * D + i]);
+                }
+            }
+        }
+    }
+}
+
+/* Attention of the step's tokens over their caches, by the whole team; the phase before it is done. */
+static int attend(const step_args* a, const step_layer* w) {
+    const int D = a->D, nqkv = (a->Hq + 2 * a->Hkv) * D;
+    return decode_team(a->kv_kind, a->qkv, nqkv, D, w->k_cache, w->v_cache, a->c_bs, a->c_ts, a->c_hs, a->bt,
+                       a->bt_ss, a->lens, a->attn, (int64_t)a->Hq * D, D, a->M, a->Hq, a->Hkv, D, a->bs, a->scale,
+                       a->max_len);
+}
+
+/* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared
+   over the team (no barrier of its own); a barrier follows before its output is read. A small op on M rows
+   runs on one thread (omp single, whose end is a barrier). Returns 0, or the attention kernel's error code. */
+int decode_step(const step_args* a) {
+    const int M = a->M, H = a->H, D = a->D, I = a->inter, nq = a->Hq * D, nqkv = (a->Hq + 2 * a->Hkv) * D;
+    int err = 0;
+#pragma omp parallel
+    for (int l = 0; l < a->L; l++) {
+        const step_layer* w = a->layers + l;
+#pragma omp single
+        rms_norm_f32(a->x, H, w->input_norm, a->h, H, M, H, a->eps);
+        gemm_team(a->w_bf16, a->h, H, w->qkv, w->qkv_bias, a->qkv, nqkv, M, nqkv, H, 0);
+#pragma omp barrier
+#pragma omp single
+        {
+            rope_interleaved_f32(a->qkv, nqkv, a->rot, D, M, a->Hq + a->Hkv, D / 2);
+            write_kv(a, w);
+        }
+        const int e = attend(a, w); /* ends with the team's barrier */
+        if (e) {
+#pragma omp atomic write
+            err = e;
+        }
+        gemm_team(a->w_bf16, a->attn, nq, w->o, w->o_bias, a->x, H, M, H, nq, 1);
+#pragma omp barrier
+#pragma omp single
+        rms_norm_f32(a->x, H, w->post_norm, a->h, H, M, H, a->eps);
+        gemm_team(a->w_bf16, a->h, H, w->gate_up, w->gate_up_bias, a->gu, 2 * I, M, 2 * I, H, 0);
+#pragma omp barrier
+#pragma omp single
+        silu_mul_f32(a->gu, 2 * I, M, I);
+        gemm_team(a->w_bf16, a->gu, 2 * I, w->down, w->down_bias, a->x, H, M, H, I, 1);
+#pragma omp barrier
+    }
+    return err;
+}

@@ -1,0 +1,150 @@
+"""A whole decode step of the decoder's layers in one C call (``csrc/decode_step.c``): the thread team is forked
+once per step and meets at barriers between a layer's phases, instead of ~10 ops per layer each paying a torch
+dispatch or a ctypes call, a fork and join of the team, and the Python between them.
+
+Why: at batch 1 a step's floor is reading every weight once (SmolLM2-135M float32: 538 MB); the op-by-op
+forward adds its per-op costs on top (docs/BENCHMARKS.md, "Single-stream decode"). The C step chains the same
+kernels the separate calls run, in the same order, so its output is bit-identical to theirs.
+
+When :meth:`DecodeStep.for_model` returns one and :meth:`DecodeStep.applies` holds (worker/model.py asks each
+step): a CPU model in float32 arithmetic whose every projection is in the packed layout (float32 or bfloat16
+panels), interleaved RoPE (the float32 forward's), no tensor parallelism, a float32 or bfloat16 KV cache, and a
+step in which every sequence decodes one token, at most ``MAX_ROWS`` of them (the GEMM planner's decode-sized
+bucket: above it a step's per-op costs are a small share, and the small ops here run on one thread). Anything
+else runs op by op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels import cpu_attention, cpu_gemm, native, packed_gemm
+
+SOURCES = ("decode_step.c", "packed_gemm.c", "decode_attention.c", "rms_norm.c", "rope.c", "activation.c")
+MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
+ELEM = {torch.float32: 0, torch.bfloat16: 1}  # simd.h's ELEM_F32, ELEM_BF16
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias",
+                                        "down_bias", "input_norm", "post_norm", "k_cache", "v_cache")]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("layers", _P), ("L", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("inter", _I),
+                ("w_bf16", _I), ("kv_kind", _I), ("bs", _I), ("c_bs", _I64), ("c_ts", _I64), ("c_hs", _I64),
+                ("eps", _F), ("scale", _F), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
+                ("rot", _P), ("slots", _P), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I)]
+
+
+def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
+    """Build (once per machine) and bind the library; ``defines`` picks a variant (:mod:`kernels.native`, e.g.
+    ``{"INFERQ_NO_AVX512": 1}`` for the AVX2 build). None where it cannot be built (it needs AVX2 + FMA, as the
+    packed GEMM does)."""
+    if not packed_gemm.available():
+        return None
+    lib = native.build("decode_step", SOURCES, defines)
+    if lib is None:
+        return None
+    lib.decode_step.argtypes = [ctypes.POINTER(_Args)]
+    lib.decode_step.restype = _I
+    lib.set_generic.argtypes = [_I]
+    lib.set_avx512.argtypes = [_I]
+    return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    return build()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.float().contiguous()
+
+
+class DecodeStep:
+    """The argument block of one model's layers and KV caches, filled once; :meth:`run` sets the step's inputs."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lib: ctypes.CDLL) -> None:
+        c = model.config
+        self.lib = lib
+        self.kv_caches = kv_caches
+        self.steps = 0  # fused steps run (tests check the path was taken)
+        self._keep: list[torch.Tensor] = []  # float32 biases made here, alive as long as the pointers are
+        layers = (_Layer * len(model.layers))()
+        # an early-exit draft (worker/draft.py) has fewer layers than the caches
+        for slot, layer, (k, v) in zip(layers, model.layers, kv_caches[:len(model.layers)], strict=True):
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(layer, name)
+                bias = _float_bias(lin.bias)
+                if bias is not None:
+                    self._keep.append(bias)
+                setattr(slot, name, lin.weight.data_ptr())
+                setattr(slot, f"{name}_bias", _ptr(bias))
+            slot.input_norm, slot.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
+        self._layers = layers
+        k0 = kv_caches[0][0]
+        inter = model.layers[0].gate_up.out_features // 2
+        nq, nqkv = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self._scratch = [torch.empty((MAX_ROWS, n), dtype=torch.float32) for n in (c.hidden_size, nqkv, nq, 2 * inter)]
+        h, qkv, attn, gu = (t.data_ptr() for t in self._scratch)
+        self.args = _Args(ctypes.cast(layers, _P), len(model.layers), c.hidden_size, c.num_heads, c.num_kv_heads,
+                          c.head_dim, inter, int(model.layers[0].qkv.weight.dtype == torch.bfloat16),
+                          ELEM[k0.dtype], k0.shape[1], *k0.stride()[:3], c.rms_norm_eps, model.scale,
+                          h, qkv, attn, gu)
+
+    @staticmethod
+    def for_model(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeStep | None:
+        """The fused step for ``model`` over ``kv_caches``, or None where it does not apply (module docstring)."""
+        if (model.device.type != "cpu" or model.dtype != torch.float32 or not model._complex_rope
+                or model._c_ops is None or model.all_reduce is not None or not model.layers):
+            return None
+        k0 = kv_caches[0][0] if kv_caches else None
+        if k0 is None or k0.dtype not in ELEM or k0.stride(-1) != 1:
+            return None
+        c = model.config
+        if not cpu_attention.supports(torch.empty((1, c.num_heads, c.head_dim)), k0):
+            return None
+        for layer in model.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(layer, name)
+                if getattr(lin, "layout", None) != "pk" or lin.weight.dtype not in packed_gemm.DTYPES:
+                    return None
+            if layer.input_norm.dtype != torch.float32 or layer.post_norm.dtype != torch.float32:
+                return None
+        lib = load()
+        return None if lib is None else DecodeStep(model, kv_caches, lib)
+
+    def applies(self, kv_caches, meta, num_tokens: int) -> bool:
+        """Whether this step is one the fused call runs: its caches, every sequence one decode token, few rows."""
+        return (kv_caches is self.kv_caches and 0 < num_tokens <= MAX_ROWS and meta.num_decodes == num_tokens
+                and meta.num_seqs == num_tokens and meta.seq_lens_host is not None)
+
+    def run(self, x: torch.Tensor, rot: torch.Tensor, meta) -> None:
+        """Every layer over ``x`` (float32 ``[M, H]``, dense; updated in place to the last residual stream): rot
+        ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots, block tables and lengths
+        from ``meta``."""
+        m = x.shape[0]
+        plan = meta.cache.get("decode_step")
+        if plan is None:  # the step's int32 tables, as the attention kernel reads them
+            tables = meta.block_tables[:m].to(torch.int32).contiguous()
+            lens = meta.seq_lens[:m].to(torch.int32).contiguous()
+            slots = meta.slot_mapping.to(torch.int64).contiguous()
+            plan = meta.cache["decode_step"] = (tables, lens, slots, int(meta.seq_lens_host[:m].max()))
+        tables, lens, slots, max_len = plan
+        a = self.args
+        a.x, a.M, a.rot, a.slots = x.data_ptr(), m, rot.data_ptr(), slots.data_ptr()
+        a.bt, a.bt_ss, a.lens, a.max_len = tables.data_ptr(), tables.stride(0), lens.data_ptr(), max_len
+        err = self.lib.decode_step(ctypes.byref(a))
+        self.steps += 1
+        if err:
+            raise RuntimeError(f"fused decode step failed (attention kernel code {err})")
