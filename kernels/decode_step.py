@@ -1,5 +1,5 @@
-"""A whole decode step of the decoder's layers in one C call (``csrc/decode_step.c``): the thread team is forked
-once per step and meets at barriers between a layer's phases, instead of ~10 ops per layer each paying a torch
+"""A small step of the decoder's layers in one C call (``csrc/decode_step.c``): the thread team is forked once
+per step and meets at barriers between a layer's phases, instead of ~10 ops per layer each paying a torch
 dispatch or a ctypes call, a fork and join of the team, and the Python between them.
 
 Why: at batch 1 a step's floor is reading every weight once (SmolLM2-135M float32: 538 MB); the op-by-op
@@ -9,21 +9,24 @@ kernels the separate calls run, in the same order, so its output is bit-identica
 When :meth:`DecodeStep.for_model` returns one and :meth:`DecodeStep.applies` holds (worker/model.py asks each
 step): a CPU model in float32 arithmetic whose every projection is in the packed layout (float32 or bfloat16
 panels), interleaved RoPE (the float32 forward's), no tensor parallelism, a float32 or bfloat16 KV cache, and a
-step in which every sequence decodes one token, at most ``MAX_ROWS`` of them (the GEMM planner's decode-sized
-bucket: above it a step's per-op costs are a small share, and the small ops here run on one thread). Anything
-else runs op by op.
+step of at most ``MAX_ROWS`` tokens (the GEMM planner's decode-sized bucket: above it a step's per-op costs are
+a small share, and the small ops here run on one thread): decodes, and chunks of several tokens (speculative
+proposals, short prefills) where the prefill kernel reads the cache. Anything else runs op by op.
 """
+
 
 from __future__ import annotations
 
 import ctypes
 import functools
 
+import numpy as np
 import torch
 
 from kernels import cpu_attention, cpu_gemm, native, packed_gemm
 
-SOURCES = ("decode_step.c", "packed_gemm.c", "decode_attention.c", "rms_norm.c", "rope.c", "activation.c")
+SOURCES = ("decode_step.c", "packed_gemm.c", "decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c",
+           "activation.c")
 MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
 ELEM = {torch.float32: 0, torch.bfloat16: 1}  # simd.h's ELEM_F32, ELEM_BF16
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -38,7 +41,8 @@ class _Args(ctypes.Structure):
     _fields_ = [("layers", _P), ("L", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("inter", _I),
                 ("w_bf16", _I), ("kv_kind", _I), ("bs", _I), ("c_bs", _I64), ("c_ts", _I64), ("c_hs", _I64),
                 ("eps", _F), ("scale", _F), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
-                ("rot", _P), ("slots", _P), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I)]
+                ("rot", _P), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
+                ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P)]
 
 
 def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
@@ -97,6 +101,8 @@ class DecodeStep:
         nq, nqkv = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self._scratch = [torch.empty((MAX_ROWS, n), dtype=torch.float32) for n in (c.hidden_size, nqkv, nq, 2 * inter)]
         h, qkv, attn, gu = (t.data_ptr() for t in self._scratch)
+        self._first = torch.empty(MAX_ROWS + 1, dtype=torch.int64)  # the prefill kernel's item offsets
+        self.chunks = cpu_attention.supports_prefill(torch.empty((1, c.num_heads, c.head_dim)), k0)
         self.args = _Args(ctypes.cast(layers, _P), len(model.layers), c.hidden_size, c.num_heads, c.num_kv_heads,
                           c.head_dim, inter, int(model.layers[0].qkv.weight.dtype == torch.bfloat16),
                           ELEM[k0.dtype], k0.shape[1], *k0.stride()[:3], c.rms_norm_eps, model.scale,
@@ -125,26 +131,41 @@ class DecodeStep:
         return None if lib is None else DecodeStep(model, kv_caches, lib)
 
     def applies(self, kv_caches, meta, num_tokens: int) -> bool:
-        """Whether this step is one the fused call runs: its caches, every sequence one decode token, few rows."""
-        return (kv_caches is self.kv_caches and 0 < num_tokens <= MAX_ROWS and meta.num_decodes == num_tokens
-                and meta.num_seqs == num_tokens and meta.seq_lens_host is not None)
+        """Whether this step is one the fused call runs: its caches, few rows, and chunks of several tokens only
+        where the prefill kernel reads this cache."""
+        return (kv_caches is self.kv_caches and 0 < num_tokens <= MAX_ROWS and meta.seq_lens_host is not None
+                and (meta.num_decodes == meta.num_seqs or self.chunks))
 
     def run(self, x: torch.Tensor, rot: torch.Tensor, meta) -> None:
         """Every layer over ``x`` (float32 ``[M, H]``, dense; updated in place to the last residual stream): rot
         ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots, block tables and lengths
-        from ``meta``."""
-        m = x.shape[0]
+        from ``meta`` (the leading decodes, then the chunks of several tokens)."""
         plan = meta.cache.get("decode_step")
-        if plan is None:  # the step's int32 tables, as the attention kernel reads them
-            tables = meta.block_tables[:m].to(torch.int32).contiguous()
-            lens = meta.seq_lens[:m].to(torch.int32).contiguous()
-            slots = meta.slot_mapping.to(torch.int64).contiguous()
-            plan = meta.cache["decode_step"] = (tables, lens, slots, int(meta.seq_lens_host[:m].max()))
-        tables, lens, slots, max_len = plan
+        if plan is None:
+            plan = meta.cache["decode_step"] = _step_plan(meta)
+        slots, (nd, tables, lens, max_len), (np_, p_tables, starts, ctx) = plan
         a = self.args
-        a.x, a.M, a.rot, a.slots = x.data_ptr(), m, rot.data_ptr(), slots.data_ptr()
-        a.bt, a.bt_ss, a.lens, a.max_len = tables.data_ptr(), tables.stride(0), lens.data_ptr(), max_len
+        a.x, a.M, a.rot, a.slots = x.data_ptr(), x.shape[0], rot.data_ptr(), slots.data_ptr()
+        a.nd, a.bt, a.bt_ss, a.lens, a.max_len = nd, tables.data_ptr(), tables.stride(0), lens.data_ptr(), max_len
+        a.np, a.p_bt, a.p_bt_ss = np_, p_tables.data_ptr(), p_tables.stride(0)
+        a.p_qs, a.p_ctx, a.p_first = starts.data_ptr(), ctx.data_ptr(), self._first.data_ptr()
         err = self.lib.decode_step(ctypes.byref(a))
         self.steps += 1
         if err:
             raise RuntimeError(f"fused decode step failed (attention kernel code {err})")
+
+
+def _step_plan(meta):
+    """The step's int32 tables as the attention kernels read them: slots; the leading decodes' (count, block
+    tables, lengths, longest); the chunks after them (count, block tables, first rows counted from the first
+    chunk's, earlier context), as kernels/backend.py hands them to the kernels op by op."""
+    nd, ns = meta.num_decodes, meta.num_seqs
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    tables = meta.block_tables[:nd].to(torch.int32).contiguous()
+    lens = meta.seq_lens[:nd].to(torch.int32).contiguous()
+    decodes = (nd, tables, lens, int(meta.seq_lens_host[:nd].max()) if nd else 0)
+    qsl = meta.query_start_loc_host
+    starts = torch.from_numpy((qsl[nd:] - qsl[nd]).astype(np.int32))
+    ctx = torch.from_numpy((meta.seq_lens_host[nd:ns] - np.diff(qsl[nd:])).astype(np.int32))
+    chunks = (ns - nd, meta.block_tables[nd:ns].to(torch.int32).contiguous(), starts, ctx)
+    return slots, decodes, chunks

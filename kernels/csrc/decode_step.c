@@ -1,5 +1,6 @@
-/* One decode step of a Llama-family decoder for a few sequences (one new token each): every layer inside one
-   OpenMP parallel region, the thread team meeting at a barrier between the phases of a layer.
+/* One small step of a Llama-family decoder (a few sequences decoding one token each, or a few tokens each:
+   speculative proposals, short prefill chunks): every layer inside one OpenMP parallel region, the thread team
+   meeting at a barrier between the phases of a layer.
 
    Why: at batch 1 a step is about ten operations per layer (two norms, four products, RoPE, the KV write,
    attention, SwiGLU), each of which, as a torch op or a ctypes call, pays its dispatch, a fork and join of the
@@ -20,6 +21,10 @@ void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float
 int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                 int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len);
+int prefill_team(int kind, const float* q, int64_t q_ts, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
+                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
+                 float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale,
+                 int64_t* first);
 void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps);
 void rope_interleaved_f32(float* x, int64_t xs, const float* rot, int64_t rs, int T, int heads, int half);
 void silu_mul_f32(float* gu, int64_t rs, int T, int inter);
@@ -44,14 +49,23 @@ typedef struct {
     int64_t c_bs, c_ts, c_hs; /* cache strides in elements */
     float eps, scale;
     float *h, *qkv, *attn, *gu; /* scratch rows: [M, H], [M, (Hq + 2 Hkv) D], [M, Hq D], [M, 2 inter] */
-    float* x;                   /* [M, H]: the embedded tokens in, the last layer's residual stream out */
+    float* x;                   /* [M, H]: the step's tokens embedded in, the last layer's residual stream out */
     int M;
     const float* rot;     /* [M, D/2, 2]: cos and sin of each token's position per frequency */
-    const int64_t* slots; /* [M]: each new token's cache slot (block * bs + offset); < 0 writes nothing */
-    const int32_t* bt;    /* block tables [M, bt_ss] */
+    const int64_t* slots; /* [M]: each token's cache slot (block * bs + offset); < 0 writes nothing */
+    /* the leading nd sequences decode one token each (rows 0..nd-1) */
+    int nd;
+    const int32_t* bt; /* their block tables [nd, bt_ss] */
     int64_t bt_ss;
-    const int32_t* lens; /* context lengths, the new token included */
+    const int32_t* lens; /* their context lengths, the new token included */
     int max_len;
+    /* then np chunks of several tokens (speculative proposals, short prefills), rows nd..M-1 */
+    int np;
+    const int32_t* p_bt; /* their block tables [np, p_bt_ss] */
+    int64_t p_bt_ss;
+    const int32_t* p_qs;  /* [np + 1]: each chunk's first row, counted from row nd */
+    const int32_t* p_ctx; /* [np]: each chunk's earlier context (its first token's position) */
+    int64_t* p_first;     /* np + 1 int64 of scratch */
 } step_args;
 
 /* The new tokens' keys and values (after RoPE) into their slots, converted to the cache's element type. */
@@ -79,12 +93,22 @@ static void write_kv(const step_args* a, const step_layer* w) {
     }
 }
 
-/* Attention of the step's tokens over their caches, by the whole team; the phase before it is done. */
+/* Attention of the step's tokens over their caches, by the whole team (the decode kernel for the leading decodes,
+   the prefill kernel for the chunks after them, as the op-by-op backend splits them); the phase before is done. */
 static int attend(const step_args* a, const step_layer* w) {
-    const int D = a->D, nqkv = (a->Hq + 2 * a->Hkv) * D;
-    return decode_team(a->kv_kind, a->qkv, nqkv, D, w->k_cache, w->v_cache, a->c_bs, a->c_ts, a->c_hs, a->bt,
-                       a->bt_ss, a->lens, a->attn, (int64_t)a->Hq * D, D, a->M, a->Hq, a->Hkv, D, a->bs, a->scale,
-                       a->max_len);
+    const int D = a->D, nqkv = (a->Hq + 2 * a->Hkv) * D, nq = a->Hq * D;
+    int err = 0;
+    if (a->nd > 0)
+        err = decode_team(a->kv_kind, a->qkv, nqkv, D, w->k_cache, w->v_cache, a->c_bs, a->c_ts, a->c_hs, a->bt,
+                          a->bt_ss, a->lens, a->attn, nq, D, a->nd, a->Hq, a->Hkv, D, a->bs, a->scale, a->max_len);
+    if (a->np > 0) {
+        const int e = prefill_team(a->kv_kind, a->qkv + (int64_t)a->nd * nqkv, nqkv, D, w->k_cache, w->v_cache,
+                                   a->c_bs, a->c_ts, a->c_hs, a->p_bt, a->p_bt_ss, a->p_qs, a->p_ctx,
+                                   a->attn + (int64_t)a->nd * nq, nq, D, a->np, a->Hq, a->Hkv, D, a->bs, a->scale,
+                                   a->p_first);
+        err = err ? err : e;
+    }
+    return err;
 }
 
 /* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared

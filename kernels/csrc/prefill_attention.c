@@ -279,42 +279,78 @@ static void pitem_i8(const prefill_args* a, int s, int r0, int nr, int h, float*
 }
 
 /* Shares the items out, last first (the long causal items, late rows of long sequences, balance better first). */
-static int prefill(int kind, const prefill_args* a) {
-    const int G = a->Hq / a->Hkv, Hkv = a->Hkv, S = a->S;
-    if (G * Hkv != a->Hq || G > MAX_GROUP || !vector_shape(a->D, a->c.bs)) return 1;
-    int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (size_t)(S + 1)); /* first item of each sequence */
-    if (!first) return 2;
+static int prefill_shape(const prefill_args* a) {
+    const int G = a->Hq / a->Hkv;
+    return G * a->Hkv == a->Hq && G <= MAX_GROUP && vector_shape(a->D, a->c.bs);
+}
+
+/* first[s]: the first work item of sequence s (items: Hkv per block of QB query rows); first[S]: their count */
+static void first_items(const prefill_args* a, int64_t* first) {
     first[0] = 0;
-    for (int s = 0; s < S; s++) first[s + 1] = first[s] + (int64_t)Hkv * ((a->qs[s + 1] - a->qs[s] + QB - 1) / QB);
-    const int64_t items = first[S];
+    for (int s = 0; s < a->S; s++)
+        first[s + 1] = first[s] + (int64_t)a->Hkv * ((a->qs[s + 1] - a->qs[s] + QB - 1) / QB);
+}
+
+/* The items of one call shared over the team of the enclosing parallel region (an orphaned omp for, ending in
+   its barrier; every member calls it). Returns 0, or 2 where this thread's scratch could not be allocated. */
+static int prefill_share(int kind, const prefill_args* a, const int64_t* first) {
+    const int Hkv = a->Hkv;
+    const int64_t items = first[a->S];
+    int err = 0;
+    const unsigned int csr = flush_denormals();
+    float* acc = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * (size_t)a->D);
+    float* w = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * 8);
+    if (!acc || !w) err = 2;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = items - 1; i >= 0; i--) {
+        if (!acc || !w) continue;
+        int s = 0;
+        while (first[s + 1] <= i) s++;
+        const int64_t local = i - first[s];
+        const int h = (int)(local % Hkv), r0 = (int)(local / Hkv) * QB, lq = a->qs[s + 1] - a->qs[s];
+        const int nr = lq - r0 < QB ? lq - r0 : QB;
+        if (kind == ELEM_I8) pitem_i8(a, s, r0, nr, h, acc, w);
+        else if (kind == ELEM_BF16) pitem_bf16(a, s, r0, nr, h, acc, w);
+        else pitem_f32(a, s, r0, nr, h, acc, w);
+    }
+    free(acc);
+    free(w);
+    _mm_setcsr(csr);
+    return err;
+}
+
+/* One call with a parallel region of its own. */
+static int prefill(int kind, const prefill_args* a) {
+    if (!prefill_shape(a)) return 1;
+    int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (size_t)(a->S + 1));
+    if (!first) return 2;
+    first_items(a, first);
     int err = 0;
 #pragma omp parallel
     {
-        const unsigned int csr = flush_denormals();
-        float* acc = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * (size_t)a->D);
-        float* w = (float*)malloc(sizeof(float) * (size_t)MAX_NQ * 8);
-        if (!acc || !w) {
+        const int e = prefill_share(kind, a, first);
+        if (e) {
 #pragma omp atomic write
-            err = 2;
+            err = e;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = items - 1; i >= 0; i--) {
-            if (!acc || !w) continue;
-            int s = 0;
-            while (first[s + 1] <= i) s++;
-            const int64_t local = i - first[s];
-            const int h = (int)(local % Hkv), r0 = (int)(local / Hkv) * QB, lq = a->qs[s + 1] - a->qs[s];
-            const int nr = lq - r0 < QB ? lq - r0 : QB;
-            if (kind == ELEM_I8) pitem_i8(a, s, r0, nr, h, acc, w);
-            else if (kind == ELEM_BF16) pitem_bf16(a, s, r0, nr, h, acc, w);
-            else pitem_f32(a, s, r0, nr, h, acc, w);
-        }
-        free(acc);
-        free(w);
-        _mm_setcsr(csr);
     }
     free(first);
     return err;
+}
+
+/* prefill_f32 / _bf16 / _i8 (kind ELEM_F32, ELEM_BF16, ELEM_I8) run by the team of an enclosing parallel region
+   (kernels/csrc/decode_step.c): every member calls it; first: S + 1 int64 of scratch shared by the team. Ends
+   with the team's barrier. Returns as prefill does, the same for every member but a failed allocation. */
+int prefill_team(int kind, const float* q, int64_t q_ts, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
+                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
+                 float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale,
+                 int64_t* first) {
+    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
+                            o_hs, S, Hq, Hkv, D, scale};
+    if (!prefill_shape(&a)) return 1;
+#pragma omp single
+    first_items(&a, first);
+    return prefill_share(kind, &a, first);
 }
 #else
 static int prefill(int kind, const prefill_args* a) {

@@ -19,7 +19,12 @@ from scheduler.request import Request, SamplingParams
 from tests.tiny_models import make_tiny_model
 from worker.model_runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(decode_step.load() is None, reason="no AVX2+FMA CPU or no C compiler")
+# where the packed GEMM builds, so must the fused step (a failed build fails here, not skips)
+pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="no AVX2+FMA CPU or no C compiler")
+
+
+def test_the_library_builds():
+    assert decode_step.load() is not None
 
 BLOCK = 4
 
@@ -85,7 +90,7 @@ def fused_and_op_by_op(path, prompts, steps=5, **kw):
     plain = decode_logits(runner, prompts, steps)
     model.use_decode_step(True)
     fused = decode_logits(runner, prompts, steps)
-    assert model._decode_step is not None and model._decode_step.steps == steps  # prefills ran op by op
+    assert model._decode_step is not None and model._decode_step.steps >= steps
     return plain, fused
 
 
@@ -118,14 +123,40 @@ def test_bfloat16_panels_and_cache(tiny_dirs, monkeypatch):
             assert torch.equal(x, y)
 
 
-def test_steps_it_does_not_take_run_op_by_op(tiny_dirs):
-    """Too many rows, or a step with a prefill chunk: the op-by-op forward (the step counter stays)."""
+def test_steps_of_too_many_tokens_run_op_by_op(tiny_dirs):
+    """More rows than MAX_ROWS (here: long prefills, then 17 decodes at once): the op-by-op forward (the step
+    counter stays); a small step after them is fused again."""
     runner = packed_runner(tiny_dirs["llama"])
-    decode_logits(runner, prompts(decode_step.MAX_ROWS + 1), steps=2)
+    long_prompts = [p * 2 for p in prompts(decode_step.MAX_ROWS + 1, seed=3) if len(p) * 2 > decode_step.MAX_ROWS]
+    assert len(long_prompts) > decode_step.MAX_ROWS // 2
+    long_prompts += [long_prompts[0]] * (decode_step.MAX_ROWS + 1 - len(long_prompts))
+    decode_logits(runner, long_prompts, steps=2)
     assert runner.model._decode_step is not None and runner.model._decode_step.steps == 0
-    runner.model.use_decode_step(True)
-    decode_logits(runner, prompts(2), steps=1)
+    decode_logits(runner, [long_prompts[0]], steps=1)
     assert runner.model._decode_step.steps == 1
+
+
+def test_mixed_step_of_decodes_and_chunks_is_bit_identical(tiny_dirs):
+    """One step holding a decode, a chunk of proposals (5 tokens after earlier context) and a short first
+    prefill chunk: the decode kernel for the first, the prefill kernel for the others, as op by op."""
+    runner = packed_runner(tiny_dirs["qwen2"])
+    model = runner.model
+    got = {}
+    for fused in (False, True):
+        model.use_decode_step(fused)
+        a, b, c = (Request(n, p, SamplingParams(temperature=0)) for n, p in zip("abc", prompts(3, seed=9), strict=True))
+        _give_blocks([a, b, c], 40, runner.num_blocks, seed=5)
+        for r in (a, b):  # earlier context for both
+            runner.compute_logits([(r, len(r.prompt_token_ids))])
+            r.num_computed_tokens += len(r.prompt_token_ids)
+            r.output_token_ids += [7, 8, 9, 10, 11]
+        before = model._decode_step.steps if model._decode_step is not None else 0
+        got[fused] = runner.compute_logits([(a, 1), (b, 5), (c, min(4, len(c.prompt_token_ids)))])
+        if fused:  # this very step was the fused one
+            assert model._decode_step.steps == before + 1
+    for x, y in zip(got[False], got[True], strict=True):
+        assert (x is None) == (y is None)
+        assert x is None or torch.equal(x, y)
 
 
 def test_a_float_blas_layout_keeps_the_op_by_op_forward(tiny_dirs):
