@@ -27,7 +27,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Alternating repeats of each comparison.")] = 1,
     engines: Annotated[str | None, typer.Option(help="throughput: comma-separated subset of inferq,inferq-kv-bf16,"
                                                      "inferq-static,inferq-static16,hf-static,hf-cb,vllm-cpu,"
-                                                     "llama-cpp (latency: inferq,llama-cpp; default: inferq,inferq-static16,hf-static, under "
+                                                     "llama-cpp (latency: inferq,llama-cpp; spec: inferq,vllm-cpu; default: inferq,inferq-static16,hf-static, under "
                                                      "10 minutes; run each peer beside inferq, e.g. "
                                                      "inferq,vllm-cpu; a peer that cannot run is skipped).")] = None,
     policy: Annotated[str, typer.Option(help="throughput: also accepted as --policy static to run inferq's "
@@ -156,6 +156,11 @@ def bench(
             kw.update(concurrencies=(1, 4), requests=requests or 4, max_tokens=max_output or 24)
         if kv_cache_memory:
             kw["kv_cache_memory"] = kv_cache_memory
+        if engines:
+            try:
+                kw["engines"] = spec.parse_engines(engines)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from exc
         if methods:
             kw["methods"] = _csv(methods)
         if concurrencies:

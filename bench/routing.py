@@ -24,71 +24,33 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from bench import common
+from bench.stack_base import ROOT, ThrowawayStack
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-class TwoWorkerStack:
+class TwoWorkerStack(ThrowawayStack):
     """A fresh database and stream prefix with ``workers`` worker subprocesses of ``model``."""
 
     def __init__(self, model: str, *, workers: int = 2, dtype: str = "float32", kv_cache_memory: str = "512MiB",
                  max_num_seqs: int = 8, log=print) -> None:
-        from inferq.settings import Settings
-
-        self.base = Settings()
-        self.tag = uuid.uuid4().hex[:10]
-        self.db_name = f"inferq_bench_{self.tag}"
-        self.prefix = f"inferq-bench-{self.tag}"
-        self.model, self.workers, self.log = model, workers, log
+        super().__init__(log)
+        self.model, self.workers = model, workers
         self.worker_env = {"INFERQ_DTYPE": dtype, "INFERQ_KV_CACHE_MEMORY": kv_cache_memory,
                            "INFERQ_MAX_NUM_SEQS": str(max_num_seqs), "INFERQ_TORCH_THREADS": "1",
                            "INFERQ_HEARTBEAT_SECONDS": "1", "INFERQ_LOG_JSON": "true",
                            "INFERQ_SHUTDOWN_GRACE_SECONDS": "5"}
         self.log_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-routing-"))
-        self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []
-        self.db_url: str | None = None
-
-    def _admin_url(self) -> str:
-        from sqlalchemy.engine import make_url
-
-        return make_url(self.base.database_url).set(database="postgres").render_as_string(hide_password=False)
-
-    def __enter__(self) -> TwoWorkerStack:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
         import redis
-        from sqlalchemy import create_engine, text
-        from sqlalchemy.engine import make_url
 
-        from api.tenants import create_tenant
         from inferq.contract import model_id
-        from inferq.db import make_engine, make_sessionmaker
         from inferq.jobs.routes import read_live_workers
-        from inferq.migrate import upgrade
 
-        admin = create_engine(self._admin_url(), isolation_level="AUTOCOMMIT")
-        with admin.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{self.db_name}"'))
-        admin.dispose()
-        self.db_url = make_url(self.base.database_url).set(database=self.db_name).render_as_string(hide_password=False)
-        upgrade(self.db_url)
-        self.engine = make_engine(self.db_url)
-        self.db = make_sessionmaker(self.engine)
-        self.tenant = create_tenant(self.db, "bench", max_queued_jobs=1_000_000, tokens_per_minute=1_000_000_000)
+        self.db = self.create_database()
         self.redis = redis.Redis.from_url(self.base.redis_url)
         env = dict(os.environ, PYTHONUNBUFFERED="1", INFERQ_DATABASE_URL=self.db_url,
                    INFERQ_REDIS_URL=self.base.redis_url, INFERQ_STREAM_PREFIX=self.prefix,
@@ -97,14 +59,14 @@ class TwoWorkerStack:
         for i in range(self.workers):
             name = f"bench-w{i + 1}-{self.tag[:4]}"
             log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "worker.service"], cwd=ROOT,
-                                               env=dict(env, INFERQ_WORKER_NAME=name), stdout=log,
-                                               stderr=subprocess.STDOUT))
+            self.procs.append((name, subprocess.Popen([sys.executable, "-m", "worker.service"], cwd=ROOT,
+                                                      env=dict(env, INFERQ_WORKER_NAME=name), stdout=log,
+                                                      stderr=subprocess.STDOUT)))
             self.names.append(name)
         self.log(f"started {self.workers} workers (logs {self.log_dir})")
         deadline = time.monotonic() + 300
         while set(read_live_workers(self.redis, self.prefix, model_id(self.model))) != set(self.names):
-            for p, name in zip(self.procs, self.names, strict=True):
+            for name, p in self.procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited: {(self.log_dir / f'{name}.log').read_text()[-2000:]}")
             if time.monotonic() > deadline:
@@ -118,29 +80,9 @@ class TwoWorkerStack:
                         model=self.model, cache_routing=routing)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
         if getattr(self, "redis", None) is not None:
-            for k in self.redis.scan_iter(match=f"{self.prefix}:*", count=1000):
-                self.redis.delete(k)
             self.redis.close()
-        if getattr(self, "engine", None) is not None:
-            self.engine.dispose()
-        if self.db_url:
-            from sqlalchemy import create_engine, text
-
-            admin = create_engine(self._admin_url(), isolation_level="AUTOCOMMIT")
-            with admin.connect() as c:
-                c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
-            admin.dispose()
-            self.db_url = None
+        super().stop(wait_s=30)
 
 
 def workload(rng: random.Random, vocab: int, *, requests: int, groups: int, prefix_len: int,

@@ -33,13 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from bench import common
+from bench.stack_base import ROOT, ThrowawayStack
 from bench.workloads import WorkItem, Workload, mixed, poisson_arrivals
 
-ROOT = Path(__file__).resolve().parents[1]
 SLO_INTERACTIVE_TTFT_S = 1.0
 
 
@@ -48,64 +47,25 @@ SLO_INTERACTIVE_TTFT_S = 1.0
 # ------------------------------------------------------------------------------------------------------
 
 
-class Stack:
+class Stack(ThrowawayStack):
     """A throw-away database + Redis prefix, a tenant and key, ``inferq api`` and ``inferq worker``."""
 
     def __init__(self, *, model: str, dtype: str, kv_cache_memory: str, extra: dict | None = None, log=print,
                  log_dir: Path | None = None, worker: bool = True, api_workers: int = 1) -> None:
-        from inferq.settings import Settings
-
-        self.log = log
-        self.base = Settings()
-        self.tag = uuid.uuid4().hex[:10]
-        self.db_name = f"inferq_bench_{self.tag}"
-        self.prefix = f"inferq-bench-{self.tag}"
+        super().__init__(log)
         self.model, self.dtype, self.kv_cache_memory = model, dtype, kv_cache_memory
         self.extra = extra or {}
         self.with_worker = worker
         self.api_workers = api_workers
-        self.procs: list[tuple[str, subprocess.Popen]] = []
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="inferq-bench-"))
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.key: str | None = None
-        self.db_url: str | None = None
-
-    def _admin_url(self) -> str:
-        from sqlalchemy.engine import make_url
-
-        return make_url(self.base.database_url).set(database="postgres").render_as_string(hide_password=False)
-
-    def __enter__(self) -> Stack:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
-        from sqlalchemy import create_engine, text
-        from sqlalchemy.engine import make_url
+        from api.tenants import create_key
 
-        from api.tenants import create_key, create_tenant
-        from inferq.db import make_engine, make_sessionmaker
-        from inferq.migrate import upgrade
-
-        admin = create_engine(self._admin_url(), isolation_level="AUTOCOMMIT")
-        with admin.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{self.db_name}"'))
-        admin.dispose()
-        self.db_url = make_url(self.base.database_url).set(database=self.db_name).render_as_string(hide_password=False)
-        upgrade(self.db_url)
-        engine = make_engine(self.db_url)
-        sf = make_sessionmaker(engine)
-        create_tenant(sf, "bench", max_queued_jobs=1_000_000, tokens_per_minute=1_000_000_000)
-        self.key = create_key(sf, "bench").key
-        engine.dispose()
+        self.key = create_key(self.create_database(), "bench").key
         env = dict(os.environ)
         env.update({"INFERQ_DATABASE_URL": self.db_url, "INFERQ_REDIS_URL": self.base.redis_url,
                     "INFERQ_STREAM_PREFIX": self.prefix, "INFERQ_MODEL": self.model, "INFERQ_DTYPE": self.dtype,
@@ -200,38 +160,6 @@ class Stack:
             return [dict(r._mapping) for r in rows]
         finally:
             engine.dispose()
-
-    def stop(self) -> None:
-        for _, p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for _, p in reversed(self.procs):
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs.clear()
-        try:
-            import redis
-
-            r = redis.Redis.from_url(self.base.redis_url)
-            for k in r.scan_iter(match=f"{self.prefix}:*", count=1000):
-                r.delete(k)
-            r.close()
-        except Exception:  # noqa: BLE001
-            pass
-        if self.db_url:
-            try:
-                from sqlalchemy import create_engine, text
-
-                admin = create_engine(self._admin_url(), isolation_level="AUTOCOMMIT")
-                with admin.connect() as c:
-                    c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
-                admin.dispose()
-            except Exception as exc:  # noqa: BLE001
-                self.log(f"could not drop {self.db_name}: {exc}")
-            self.db_url = None
 
 
 def _worker_cmd() -> list[str]:

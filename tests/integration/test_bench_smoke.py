@@ -158,19 +158,21 @@ def test_latency_smoke(tiny, tmp_path):
         assert all(r["median_ms"] > 0 and r["share_of_read"] > 0 for r in ws["rows"])
     else:
         assert ws is None
-    assert [r["batch"] for r in d["breakdown"]] == [1, 2, 4]
+    assert [(r["batch"], r["fused"]) for r in d["breakdown"]] == [(b, f) for f in (False, True) for b in (1, 2, 4)]
     for row in d["breakdown"]:
         parts = row["parts_ms"]
-        assert all(parts[k] > 0 for k in ("qkv", "o", "gate_up", "down", "lm_head", "attention", "sampling"))
+        named = ("lm_head", "sampling") if row["fused"] else ("qkv", "o", "gate_up", "down", "lm_head", "attention",
+                                                             "sampling")
+        assert all(parts[k] > 0 for k in named)
         assert abs(sum(parts.values()) - row["step_ms"]) < 1e-6 * row["step_ms"] + 1e-9  # the parts are the step
         assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6)
-    ours, torch_ops, offline, service = d["streams"]
+    ours, op_by_op, offline, service = d["streams"]
     assert offline["engine"].startswith("inferq (offline") and offline["outputs"] == ours["outputs"]
     assert service["engine"].startswith("inferq service") and service["requests"] == ours["requests"]
     assert service["output_tokens"] == sum(map(len, ours["outputs"]))  # greedy through the service: as many
     assert service["vs_offline"] > 0 and service["ttft_p50_ms"] > 0
-    assert ours["engine"] == "inferq" and torch_ops["engine"].startswith("inferq, torch")
-    assert ours["outputs"] == torch_ops["outputs"] and 0 < len(ours["outputs"][0]) <= 8  # greedy: same tokens
+    assert ours["engine"] == "inferq" and op_by_op["engine"] == "inferq, op by op"
+    assert ours["outputs"] == op_by_op["outputs"] and 0 < len(ours["outputs"][0]) <= 8  # greedy: same tokens
     assert ours["decode_tok_s"] > 0 and ours["tpot_p50_ms"] > 0 and ours["ttft_p50_ms"] > 0
 
 
