@@ -12,6 +12,8 @@ from typing import Any
 
 import typer
 
+from worker import cli_options as opts
+
 
 class _Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived: stop generating, keep what finished. A KeyboardInterrupt, so that no
@@ -59,31 +61,20 @@ def generate(
                                             help="Seconds between progress log lines when stderr is not a terminal."),
     model: str | None = typer.Option(None, "--model", help="Model name or local Hugging Face directory."),
     policy: str | None = typer.Option(None, "--policy", help="continuous (default) or static batching."),
-    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Most requests running at once."),
+    max_num_seqs: int | None = opts.MAX_NUM_SEQS,
     max_batched_tokens: int | None = typer.Option(None, "--max-batched-tokens", help="Token budget per step."),
     block_size: int | None = typer.Option(None, "--block-size", help="Tokens per KV-cache block."),
-    kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="KV-cache pool size, e.g. 2GiB."),
+    kv_cache_memory: str | None = opts.KV_CACHE_MEMORY,
     dtype: str | None = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
                                               help="auto (the model's dtype), float32, bfloat16, float16 or int8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable prefix caching."),
-    speculative_method: str | None = typer.Option(None, "--speculative-method",
-                                                  help="off, ngram (prompt lookup), draft (a smaller model, "
-                                                  "--speculative-draft-model) or early-exit (the model's first "
-                                                  "layers); docs/ENGINE.md."),
-    speculative_draft_model: str | None = typer.Option(None, "--speculative-draft-model",
-                                                       help="Draft model (same tokenizer) of the draft method."),
-    speculative_early_exit_layers: int | None = typer.Option(None, "--speculative-early-exit-layers",
-                                                             help="Layers of the early-exit draft (default: a "
-                                                             "third of the model's)."),
-    num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens",
-                                                      help="Most tokens proposed per request and step."),
-    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", min=1,
-                                                    help="Split the model across this many ranks (processes) "
-                                                         "started by this one; docs/ENGINE.md."),
-    quantization: str | None = typer.Option(None, "--quantization",
-                                            help="none, int8, w8a8, int4, or auto (the default model's own 4-bit "
-                                            "GGUF blocks); docs/ENGINE.md, Quantised weights."),
+    speculative_method: str | None = opts.SPECULATIVE_METHOD,
+    speculative_draft_model: str | None = opts.SPECULATIVE_DRAFT_MODEL,
+    speculative_early_exit_layers: int | None = opts.SPECULATIVE_EARLY_EXIT_LAYERS,
+    num_speculative_tokens: int | None = opts.NUM_SPECULATIVE_TOKENS,
+    tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
+    quantization: str | None = opts.QUANTIZATION,
     stats: Path | None = typer.Option(None, "--stats", help="Write engine statistics (JSON) here."),
 ) -> None:
     """Generate completions for every line of INPUT. Bad lines get an error row and never stop the run;

@@ -4,31 +4,22 @@ from __future__ import annotations
 
 import typer
 
+from worker import cli_options as opts
+
 
 def worker(
     model: str | None = typer.Option(None, "--model", help="Model name or local Hugging Face directory (default: INFERQ_MODEL)."),
     name: str | None = typer.Option(None, "--name", help="Consumer name in the Redis group (default: host-pid-random)."),
     metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port."),
     device: str | None = typer.Option(None, "--device", help="auto, cpu or cuda."),
-    kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="KV-cache pool size, e.g. 2GiB."),
-    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Most requests running at once."),
-    speculative_method: str | None = typer.Option(None, "--speculative-method",
-                                                  help="off, ngram (prompt lookup), draft (a smaller model, "
-                                                  "--speculative-draft-model) or early-exit (the model's first "
-                                                  "layers); docs/ENGINE.md."),
-    speculative_draft_model: str | None = typer.Option(None, "--speculative-draft-model",
-                                                       help="Draft model (same tokenizer) of the draft method."),
-    speculative_early_exit_layers: int | None = typer.Option(None, "--speculative-early-exit-layers",
-                                                             help="Layers of the early-exit draft (default: a "
-                                                             "third of the model's)."),
-    num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens",
-                                                      help="Most tokens proposed per request and step."),
-    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", min=1,
-                                                    help="Split the model across this many ranks started by the "
-                                                         "worker (docs/ENGINE.md, Tensor parallelism)."),
-    quantization: str | None = typer.Option(None, "--quantization",
-                                            help="none, int8, w8a8, int4, or auto (the default model's own 4-bit "
-                                            "GGUF blocks); docs/ENGINE.md, Quantised weights."),
+    kv_cache_memory: str | None = opts.KV_CACHE_MEMORY,
+    max_num_seqs: int | None = opts.MAX_NUM_SEQS,
+    speculative_method: str | None = opts.SPECULATIVE_METHOD,
+    speculative_draft_model: str | None = opts.SPECULATIVE_DRAFT_MODEL,
+    speculative_early_exit_layers: int | None = opts.SPECULATIVE_EARLY_EXIT_LAYERS,
+    num_speculative_tokens: int | None = opts.NUM_SPECULATIVE_TOKENS,
+    tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
+    quantization: str | None = opts.QUANTIZATION,
 ) -> None:
     """Consume jobs from the Redis streams of one model, run them on the engine, write results and the
     ledger to the database. SIGTERM: finish in-flight jobs within shutdown_grace_seconds, hand the rest
