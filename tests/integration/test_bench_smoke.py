@@ -171,6 +171,9 @@ def test_latency_smoke(tiny, tmp_path):
     assert service["engine"].startswith("inferq service") and service["requests"] == ours["requests"]
     assert service["output_tokens"] == sum(map(len, ours["outputs"]))  # greedy through the service: as many
     assert service["vs_offline"] > 0 and service["ttft_p50_ms"] > 0
+    hop = service["hop_parts_ms"]  # from the job rows of the service's requests
+    assert hop["queue"] >= 0 and hop["worker to first token"] > 0 and hop["delivery"] >= 0
+    assert hop["hop"] == pytest.approx(hop["api"] + hop["queue"] + hop["delivery"])
     assert ours["engine"] == "inferq" and op_by_op["engine"] == "inferq, op by op"
     assert ours["outputs"] == op_by_op["outputs"] and 0 < len(ours["outputs"][0]) <= 8  # greedy: same tokens
     assert ours["decode_tok_s"] > 0 and ours["tpot_p50_ms"] > 0 and ours["ttft_p50_ms"] > 0
