@@ -7,8 +7,8 @@ forward adds its per-op costs on top (docs/BENCHMARKS.md, "Single-stream decode"
 kernels the separate calls run, in the same order, so its output is bit-identical to theirs.
 
 When :meth:`DecodeStep.for_model` returns one and :meth:`DecodeStep.applies` holds (worker/model.py asks each
-step): a CPU model in float32 arithmetic whose every projection is in the packed layout (float32 or bfloat16
-panels), interleaved RoPE (the float32 forward's), no tensor parallelism, a float32 or bfloat16 KV cache, and a
+step): a CPU model in float32 arithmetic whose every projection is in panels (the packed float32 or bfloat16
+layout, or the quantised int8/int4 panels where the planner serves decode sizes from them), interleaved RoPE (the float32 forward's), no tensor parallelism, a float32 or bfloat16 KV cache, and a
 step of at most ``MAX_ROWS`` tokens (the GEMM planner's decode-sized bucket: above it a step's per-op costs are
 a small share, and the small ops here run on one thread): decodes, and chunks of several tokens (speculative
 proposals, short prefills) where the prefill kernel reads the cache. Anything else runs op by op.
@@ -25,21 +25,27 @@ import torch
 
 from kernels import cpu_attention, cpu_gemm, native, packed_gemm
 
-SOURCES = ("decode_step.c", "packed_gemm.c", "decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c",
-           "activation.c")
+SOURCES = ("decode_step.c", "packed_gemm.c", "quant_gemm.c", "decode_attention.c", "prefill_attention.c",
+           "rms_norm.c", "rope.c", "activation.c")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+W_F32, W_BF16, W_I8, W_I4 = range(4)  # decode_step.c's panel kinds
 MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
 ELEM = {torch.float32: 0, torch.bfloat16: 1}  # simd.h's ELEM_F32, ELEM_BF16
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
+class _Proj(ctypes.Structure):
+    _fields_ = [("w", _P), ("bias", _P), ("scales", _P), ("kind", _I), ("group", _I)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias",
-                                        "down_bias", "input_norm", "post_norm", "k_cache", "v_cache")]
+    _fields_ = [*((name, _Proj) for name in PROJECTIONS),
+                *((name, _P) for name in ("input_norm", "post_norm", "k_cache", "v_cache"))]
 
 
 class _Args(ctypes.Structure):
     _fields_ = [("layers", _P), ("L", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("inter", _I),
-                ("w_bf16", _I), ("kv_kind", _I), ("bs", _I), ("c_bs", _I64), ("c_ts", _I64), ("c_hs", _I64),
+                ("kv_kind", _I), ("bs", _I), ("c_bs", _I64), ("c_ts", _I64), ("c_hs", _I64),
                 ("eps", _F), ("scale", _F), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
                 ("rot", _P), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
                 ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P)]
@@ -66,6 +72,17 @@ def load() -> ctypes.CDLL | None:
     return build()
 
 
+def _panels(lin) -> tuple | None:
+    """(kind, weight, scales or None, group size) of a projection held in panels the fused step multiplies: the
+    packed float layout, or quantised panels the planner serves decode sizes from; None otherwise."""
+    if getattr(lin, "layout", None) == "pk" and lin.weight.dtype in packed_gemm.DTYPES:
+        return (W_BF16 if lin.weight.dtype == torch.bfloat16 else W_F32), lin.weight, None, 0
+    panels = getattr(lin, "panels", None)
+    if panels is not None and lin.forms[0] == "panels":
+        return (W_I4 if panels.fmt == "int4" else W_I8), panels.codes, panels.scales, panels.group_size
+    return None
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -86,13 +103,13 @@ class DecodeStep:
         layers = (_Layer * len(model.layers))()
         # an early-exit draft (worker/draft.py) has fewer layers than the caches
         for slot, layer, (k, v) in zip(layers, model.layers, kv_caches[:len(model.layers)], strict=True):
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in PROJECTIONS:
                 lin = getattr(layer, name)
                 bias = _float_bias(lin.bias)
                 if bias is not None:
                     self._keep.append(bias)
-                setattr(slot, name, lin.weight.data_ptr())
-                setattr(slot, f"{name}_bias", _ptr(bias))
+                kind, w, scales, group = _panels(lin)  # type: ignore[misc]
+                setattr(slot, name, _Proj(w.data_ptr(), _ptr(bias), _ptr(scales), kind, group))
             slot.input_norm, slot.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
         self._layers = layers
@@ -104,8 +121,7 @@ class DecodeStep:
         self._first = torch.empty(MAX_ROWS + 1, dtype=torch.int64)  # the prefill kernel's item offsets
         self.chunks = cpu_attention.supports_prefill(torch.empty((1, c.num_heads, c.head_dim)), k0)
         self.args = _Args(ctypes.cast(layers, _P), len(model.layers), c.hidden_size, c.num_heads, c.num_kv_heads,
-                          c.head_dim, inter, int(model.layers[0].qkv.weight.dtype == torch.bfloat16),
-                          ELEM[k0.dtype], k0.shape[1], *k0.stride()[:3], c.rms_norm_eps, model.scale,
+                          c.head_dim, inter, ELEM[k0.dtype], k0.shape[1], *k0.stride()[:3], c.rms_norm_eps, model.scale,
                           h, qkv, attn, gu)
 
     @staticmethod
@@ -121,10 +137,8 @@ class DecodeStep:
         if not cpu_attention.supports(torch.empty((1, c.num_heads, c.head_dim)), k0):
             return None
         for layer in model.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                lin = getattr(layer, name)
-                if getattr(lin, "layout", None) != "pk" or lin.weight.dtype not in packed_gemm.DTYPES:
-                    return None
+            if any(_panels(getattr(layer, name)) is None for name in PROJECTIONS):
+                return None
             if layer.input_norm.dtype != torch.float32 or layer.post_norm.dtype != torch.float32:
                 return None
         lib = load()

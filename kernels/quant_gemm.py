@@ -16,6 +16,14 @@ As :mod:`kernels.cpu_gemm` does for float weights, :func:`plan` times the candid
 load (the same M buckets, interleaved, best of several runs) and keeps the fastest per bucket; the choice is in
 :func:`plans` for logs and benchmark records. Arithmetic is float32 into and out of every form (bfloat16
 inside where the kernel needs it), so a quantised projection drops into a float32 or a bfloat16 model.
+
+A last form, ``panels``, is this project's own kernel (:mod:`kernels.quant_panels`, where it builds): the codes
+packed once into 16-column panels and widened in registers, float32 activations (no bfloat16 rounding), one
+pass over the weight at decode sizes. It is timed like the others; where it wins the decode bucket and is within
+``KEEP_ONE_MARGIN`` of the best form in every other bucket, it serves every bucket and the panels are the only
+copy of the weight (the codes dropped unless a tied head's rows need them); otherwise each bucket keeps its
+fastest form and the panels are kept beside torch's copy. :attr:`QuantLinear.panels` exposes them (None when
+not chosen) for the fused decode step, which runs them through ``qgemm_team``.
 """
 
 from __future__ import annotations
@@ -27,13 +35,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import quant_panels
 from kernels.cpu_gemm import BUCKET_LIMITS, MAX_PROBE_FLOP, PROBE_M, SCRATCH_BYTES, _bucket
 from kernels.quant import QuantizedWeight
 
-FORMS = {"int8": ("w8a16", "w8dq", "w8a8"), "int4": ("w4", "w4dq")}
+FORMS = {"int8": ("w8a16", "w8dq", "w8a8", "panels"), "int4": ("w4", "w4dq", "panels")}
 # Per-token int8 activations lose the few outlier channels LLM hidden states carry (measured by ``bench
 # quality``: several times the KL of weight-only int8 on SmolLM2), so ``w8a8`` is a candidate only when asked for.
-WEIGHT_ONLY = {"int8": ("w8a16", "w8dq"), "int4": ("w4", "w4dq")}
+WEIGHT_ONLY = {"int8": ("w8a16", "w8dq", "panels"), "int4": ("w4", "w4dq", "panels")}
+# Panels that win the decode bucket serve every bucket (one copy of the weight) when no other form is faster by
+# more than this in any bucket
+KEEP_ONE_MARGIN = 1.10
+# The panels win a near tie (their times are scaled by this when the forms are compared), as cpu_gemm's packed
+# layout does: torch's forms swing with the machine's load at probe time (measured: SmolLM2's qkv planned to
+# w8a16 at M = 8 in one load of a busy 2-core VM, where panels were 2x faster in the next), and the panels keep
+# float32 activations where torch's forms round them to bfloat16.
+PANELS_BIAS = 0.9
 
 _plans: dict[tuple, tuple[str, ...]] = {}
 _lock = threading.Lock()
@@ -64,18 +81,25 @@ class QuantLinear:
     bias: torch.Tensor | None
     forms: tuple[str, ...]
     keep_rows: bool = False  # keep what :meth:`rows` reads (a tied head is also the embedding table)
+    huge: bool = False  # panels in the huge-page arena (a weight kept for the model's life)
     _state: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         q = self.weight
+        self.panels: quant_panels.Panels | None = None
+        if "panels" in self.forms:
+            self.panels = quant_panels.pack(q, huge=self.huge)
+        torch_forms = set(self.forms) - {"panels"}
         if q.fmt == "int8":
             self._state["scale_bf16"] = q.scale.to(torch.bfloat16)
             self._state["codes_t"] = q.codes.t()  # ``_int_mm``'s [in, out] operand, a view of the same codes
-        else:
+        elif "w4" in torch_forms:
             self._state["packed"], self._state["sz"] = _int4_packed(q)
-            if not self.keep_rows and "w4dq" not in self.forms:  # (int8 codes are what w8a16 reads: kept)
-                # the packed copy is all the products read: drop the unpacked codes (twice its size)
-                self.weight = QuantizedWeight(q.fmt, q.codes[:0], q.scale, q.zero, q.group_size)
+        # drop the unpacked codes where no product reads them: int8's are what w8a16/w8dq/w8a8 read, and the
+        # panels' own rows serve an int8 table; int4's are read by w4dq and by a tied table's rows
+        needed = bool(torch_forms) if q.fmt == "int8" else bool(torch_forms & {"w4dq"}) or self.keep_rows
+        if not needed:
+            self.weight = QuantizedWeight(q.fmt, q.codes[:0], q.scale, q.zero, q.group_size)
         self._out = int(q.scale.shape[0])
 
     @property
@@ -84,12 +108,17 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes if self.weight.codes.numel() else (
-            self._state["packed"].numel() * self._state["packed"].element_size() + self._state["sz"].numel() * 2)
+        """Bytes of everything kept: codes and scales, torch's int4 copy, the panels."""
+        n = self.weight.nbytes if self.weight.codes.numel() else 0
+        if "packed" in self._state:
+            n += self._state["packed"].numel() * self._state["packed"].element_size() + self._state["sz"].numel() * 2
+        return n + (self.panels.nbytes if self.panels is not None else 0)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the de-quantised weight (float32): the embedding lookup of a tied head."""
         q = self.weight
+        if not q.codes.numel() and self.panels is not None:  # int8 in panels only (bit for bit the same rows)
+            return self.panels.rows(ids)
         codes = q.codes.index_select(0, ids).float()
         if q.fmt == "int8":
             return codes * q.scale.index_select(0, ids)[:, None]
@@ -101,6 +130,9 @@ class QuantLinear:
 
     def _product(self, x: torch.Tensor, form: str) -> torch.Tensor:
         s = self._state
+        if form == "panels":
+            assert self.panels is not None
+            return quant_panels.matmul(x, self.panels)
         if form == "w8a16":
             return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight.codes, s["scale_bf16"])
         if form == "w8a8":
@@ -119,17 +151,26 @@ class QuantLinear:
         raise ValueError(f"unknown quantised form {form!r}")
 
     def __call__(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
-        y = self._product(x, self.forms[_bucket(x.shape[0])]).to(x.dtype)
+        form = self.forms[_bucket(x.shape[0])]
+        if form == "panels":
+            assert self.panels is not None
+            y = quant_panels.matmul(x, self.panels, self.bias)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        y = self._product(x, form).to(x.dtype)
         return y.add_(self.bias) if self.bias is not None else y
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x W^T + b`` in place."""
+        if (self.forms[_bucket(x.shape[0])] == "panels" and out.dtype == torch.float32 and out.stride(-1) == 1
+                and self.panels is not None):
+            return quant_panels.matmul(x, self.panels, self.bias, out=out)
         return out.add_(self(x))
 
 
 def _measure(q: QuantizedWeight, forms: tuple[str, ...]) -> tuple[str, ...]:
-    """The fastest of ``forms`` per M bucket for this shape, timed interleaved with a cold weight (as a model
-    step reads it), best of a few runs."""
+    """The form per M bucket for this shape: each bucket's fastest of ``forms``, timed interleaved with a cold
+    weight (as a model step reads it), best of a few runs; then panels everywhere if they win the decode bucket
+    and are within ``KEEP_ONE_MARGIN`` of the fastest in every other one (one copy of the weight)."""
     n, k = q.shape
     if len(forms) == 1:
         return forms * (len(BUCKET_LIMITS) + 1)
@@ -142,14 +183,27 @@ def _measure(q: QuantizedWeight, forms: tuple[str, ...]) -> tuple[str, ...]:
         for i, x in enumerate(xs):
             for lin in lins.values():
                 lin(x)
-            for r in range(4 if n * k * x.shape[0] < 2e8 else 2):
+            # more samples where they are cheap: a decode-sized probe takes ~0.1 ms, and on a busy machine a
+            # two-thread call is slowed whenever the other core is taken (four samples flipped buckets there)
+            for r in range(12 if n * k * x.shape[0] < 2e7 else 4 if n * k * x.shape[0] < 2e8 else 2):
                 for f in forms if r % 2 == 0 else reversed(forms):
                     scratch.add_(1.0)
                     t = time.perf_counter()
                     lins[f](x)
                     best[f, i] = min(best[f, i], time.perf_counter() - t)
-    chosen = tuple(min(forms, key=lambda f, i=i: best[f, i]) for i in range(len(xs)))
+    chosen = tuple(min(forms, key=lambda f, i=i: best[f, i] * (PANELS_BIAS if f == "panels" else 1.0))
+                   for i in range(len(xs)))
+    if "panels" in forms and chosen[0] == "panels" and all(
+            best["panels", i] <= KEEP_ONE_MARGIN * best[chosen[i], i] for i in range(len(xs))):
+        chosen = ("panels",) * len(xs)
     return chosen + chosen[-1:] * (len(BUCKET_LIMITS) + 1 - len(chosen))
+
+
+def candidates(fmt: str, int8_activations: bool = False) -> tuple[str, ...]:
+    """The forms :func:`plan` times for ``fmt``: torch's (W8A8 only when asked for) and, where the kernel
+    builds, the panels."""
+    forms = FORMS[fmt] if int8_activations else WEIGHT_ONLY[fmt]
+    return forms if quant_panels.available() else tuple(f for f in forms if f != "panels")
 
 
 def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: bool = False,
@@ -158,7 +212,7 @@ def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: boo
     process (``autotune=False``: the first form everywhere, for tests). ``embedding``: the weight is also the
     embedding table (kept readable by :meth:`QuantLinear.rows`); ``int8_activations``: W8A8 is a candidate.
     """
-    forms = FORMS[q.fmt] if int8_activations else WEIGHT_ONLY[q.fmt]
+    forms = candidates(q.fmt, int8_activations)
     key = (tuple(q.shape), q.fmt, q.group_size, forms, torch.get_num_threads())
     with _lock:
         found = _plans.get(key)
@@ -166,7 +220,7 @@ def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: boo
             found = _measure(q, forms) if autotune else (forms[0],) * (len(BUCKET_LIMITS) + 1)
             if autotune:
                 _plans[key] = found
-    return QuantLinear(q, bias, found, keep_rows=embedding)
+    return QuantLinear(q, bias, found, keep_rows=embedding, huge=True)
 
 
 def plans() -> dict[str, str]:

@@ -8,8 +8,9 @@
    whose floor is reading the weights once. Here the team is forked once per step. The arithmetic is the same
    functions the separate calls run (the packed GEMM tiles, rms_norm_f32, rope_interleaved_f32, silu_mul_f32,
    the decode attention kernel), in the same order, so the result is bit-identical to the op-by-op forward
-   (tests/unit/test_decode_step.py). Float32 activations; float32 or bfloat16 (widened) weight panels; a float32
-   or bfloat16 KV cache. Built with those kernels' sources into one library (kernels/decode_step.py). */
+   (tests/unit/test_decode_step.py). Float32 activations; float32, bfloat16 (widened), int8 or int4 weight panels
+   (kernels/csrc/quant_gemm.c); a float32 or bfloat16 KV cache. Built with those kernels' sources into one
+   library (kernels/decode_step.py). */
 #include <stdint.h>
 #include <string.h>
 
@@ -18,6 +19,8 @@
 /* the ops it chains, from their own sources in this library */
 void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys, int M,
                int N, int K, int accumulate);
+int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G, const float* b, float* y,
+               int64_t ys, int M, int N, int K, int accumulate);
 int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                 int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len);
@@ -29,11 +32,20 @@ void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t 
 void rope_interleaved_f32(float* x, int64_t xs, const float* rot, int64_t rs, int T, int heads, int half);
 void silu_mul_f32(float* gu, int64_t rs, int T, int inter);
 
-/* One layer's weights: packed panels [ceil(N/16), K, 16] (kernels/packed_gemm.py), biases or NULL, the norms'
-   float32 weights, and its K and V pools [blocks, bs, Hkv, D]. */
+/* One projection's weight in panels of 16 output columns: float32 or bfloat16 ([ceil(N/16), K, 16],
+   kernels/packed_gemm.py), or int8 / int4 codes with their scales (kernels/quant_panels.py). */
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
 typedef struct {
-    const void *qkv, *o, *gate_up, *down;
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const void* w;
+    const float* bias;   /* or NULL */
+    const float* scales; /* int8: per column; int4: per group, scales then offsets; else NULL */
+    int kind;            /* W_F32 .. W_I4 */
+    int group;           /* int4 group size */
+} step_proj;
+
+/* One layer: its four products, the norms' float32 weights, and its K and V pools [blocks, bs, Hkv, D]. */
+typedef struct {
+    step_proj qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
     void *k_cache, *v_cache;
 } step_layer;
@@ -43,7 +55,6 @@ typedef struct {
 typedef struct {
     const step_layer* layers;
     int L, H, Hq, Hkv, D, inter;
-    int w_bf16;  /* weight panels in bfloat16 */
     int kv_kind; /* ELEM_F32 or ELEM_BF16 */
     int bs;
     int64_t c_bs, c_ts, c_hs; /* cache strides in elements */
@@ -111,6 +122,15 @@ static int attend(const step_args* a, const step_layer* w) {
     return err;
 }
 
+/* y (+)= x W^T + b for p's panels, this thread's share (no barrier); the panel kinds were checked at load. */
+static void product(const step_proj* p, const float* x, int64_t xs, float* y, int64_t ys, int M, int N, int K,
+                    int accumulate) {
+    if (p->kind <= W_BF16)
+        gemm_team(p->kind == W_BF16, x, xs, p->w, p->bias, y, ys, M, N, K, accumulate);
+    else
+        qgemm_team(p->kind == W_I4, x, xs, p->w, p->scales, p->group, p->bias, y, ys, M, N, K, accumulate);
+}
+
 /* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared
    over the team (no barrier of its own); a barrier follows before its output is read. A small op on M rows
    runs on one thread (omp single, whose end is a barrier). Returns 0, or the attention kernel's error code. */
@@ -122,7 +142,7 @@ int decode_step(const step_args* a) {
         const step_layer* w = a->layers + l;
 #pragma omp single
         rms_norm_f32(a->x, H, w->input_norm, a->h, H, M, H, a->eps);
-        gemm_team(a->w_bf16, a->h, H, w->qkv, w->qkv_bias, a->qkv, nqkv, M, nqkv, H, 0);
+        product(&w->qkv, a->h, H, a->qkv, nqkv, M, nqkv, H, 0);
 #pragma omp barrier
 #pragma omp single
         {
@@ -134,15 +154,15 @@ int decode_step(const step_args* a) {
 #pragma omp atomic write
             err = e;
         }
-        gemm_team(a->w_bf16, a->attn, nq, w->o, w->o_bias, a->x, H, M, H, nq, 1);
+        product(&w->o, a->attn, nq, a->x, H, M, H, nq, 1);
 #pragma omp barrier
 #pragma omp single
         rms_norm_f32(a->x, H, w->post_norm, a->h, H, M, H, a->eps);
-        gemm_team(a->w_bf16, a->h, H, w->gate_up, w->gate_up_bias, a->gu, 2 * I, M, 2 * I, H, 0);
+        product(&w->gate_up, a->h, H, a->gu, 2 * I, M, 2 * I, H, 0);
 #pragma omp barrier
 #pragma omp single
         silu_mul_f32(a->gu, 2 * I, M, I);
-        gemm_team(a->w_bf16, a->gu, 2 * I, w->down, w->down_bias, a->x, H, M, H, I, 1);
+        product(&w->down, a->gu, 2 * I, a->x, H, M, H, I, 1);
 #pragma omp barrier
     }
     return err;

@@ -188,3 +188,40 @@ def test_other_paths_agree(tiny_dirs, monkeypatch, variant):
 def test_packed_gemm_library_still_exports_its_own_entry_points():
     lib = packed_gemm._load()
     assert lib is not None and lib.gemm_has_avx512() in (0, 1)
+
+
+def _panels_only(runner) -> None:
+    """Every quantised projection multiplied from its panels at every M (the planner may pick torch's forms for
+    tiny shapes)."""
+    from kernels import quant_gemm
+
+    for layer in runner.model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, name)
+            assert isinstance(lin, quant_gemm.QuantLinear)
+            if lin.forms[0] != "panels":
+                assert lin.weight.codes.numel(), "the planner dropped the codes the panels are made from"
+                setattr(layer, name, quant_gemm.QuantLinear(lin.weight, lin.bias, ("panels",) * len(lin.forms)))
+    runner.model.use_decode_step(True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantised_panels_are_bit_identical(tiny_dirs, fmt, arch):
+    """int8 and int4 weights in their panels (kernels/quant_panels.py): the fused step runs the team form of
+    the same kernel, for decodes and for a mixed step."""
+    from kernels import quant_panels
+
+    if not quant_panels.available():
+        pytest.fail("the quantised panel kernel must build where the packed GEMM does")
+    runner = ModelRunner(tiny_dirs[arch], block_size=BLOCK, device="cpu", kv_cache_bytes=1 << 20, quantization=fmt)
+    _panels_only(runner)
+    model = runner.model
+    got = {}
+    for fused in (False, True):
+        model.use_decode_step(fused)
+        got[fused] = decode_logits(runner, prompts(3, seed=4), steps=4)
+    assert model._decode_step is not None and model._decode_step.steps >= 4
+    for a, b in zip(got[False], got[True], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), f"max diff {(x - y).abs().max()}"

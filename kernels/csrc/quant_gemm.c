@@ -1,0 +1,423 @@
+/* y (+)= x W^T + b for float32 x and y with W quantised (kernels/quant.py) and packed once at load into panels of
+   16 output columns, the layout of packed_gemm.c with smaller elements, so that one pass streams the weight:
+
+     int8  codes [ceil(N/16), K, 16] int8 (k's 16 codes adjacent) + scale [Npad] float32 (w = q * scale[col]).
+     int4  codes [ceil(N/16), K/2, 16] bytes: the byte of column c for k pair j holds k = 2j in its low nibble and
+           k = 2j + 1 in its high one; + sz [ceil(N/16), K/G, 2, 16] float32: for each group g of G inputs, the
+           16 columns' scales s, then their offsets o = zero - 8 s, so w = q * s + o and one group's scales (or
+           offsets) are two vector loads next to the codes' stream.
+
+   Decode sizes (M up to widen_rows): the codes are widened in registers as they are loaded and multiplied like
+   packed_gemm's block (an mr x 16 output block, each panel row loaded once per tile and FMA'd with the mr
+   broadcast inputs, split-k accumulator sets for 1-3 rows (int4: 1-2) so FMA latency does not pace the stream, the next
+   panel prefetched). A byte load sign- or zero-extended to 8 lanes (vpmovsxbd / vpmovzxbd fold the load) and
+   one conversion are all the widening an int8 row needs; an int4 pair row is one such load per 8 columns, then
+   an and (low nibble) and a shift (high one) before the conversions. int8's per-column scale is applied once at
+   the end of the tile. int4 never forms w: per group, the tile sums x_k q_k (the codes as floats), then
+     sum_k x_k w_k = sum_g [ s_g (sum_{k in g} x_k q_k) + o_g (sum_{k in g} x_k) ],
+   two FMAs per row and group; the group sums of x are computed once per call (per thread, since qgemm_team may
+   not synchronise), not per panel.
+
+   Larger M (prefill), int4: a K-block of each panel is widened once into a float32 scratch tile (KBLOCK x 16,
+   L1 resident, as q * s + o) and every row tile of the row block reuses it with the float micro-kernel (6 x 16,
+   packed_gemm's), so one layout serves every M and the unpacking is amortised over the rows. int8 stays on the
+   direct tiles at every M (widen_rows says why; the scratch path is kept for it, selectable for timings). At
+   M = 256 on a 2-core Zen 3 VM (AVX2, no VNNI or AVX512-BF16) both ran the SmolLM2 shapes about 2x faster than
+   torch's best form there (w8a16 / w4; its de-quantise-to-bfloat16-then-GEMM forms were slower still), int8
+   1.0-1.3x and int4 0.9-1.0x the float32 packed GEMM (docs/ENGINE.md has the numbers).
+   Both paths work in row blocks whose x rows stay in L2 (packed_gemm.c).
+
+   Panels are shared out over OpenMP threads: share_direct / share_widened are the body, an orphaned `omp for
+   nowait`, so qgemm_team can be called by every thread of an enclosing parallel region (decode_step.c's
+   pattern, no barrier at the end), and qgemm runs it in a parallel region of its own. Needs AVX2 + FMA. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#if !INFERQ_HAVE_AVX2
+#error "quant_gemm.c needs AVX2 + FMA (built with -march=native on such a CPU, without INFERQ_NO_AVX2)"
+#else
+
+#define PANEL 16
+#define FMT_I8 0
+#define FMT_I4 1
+#define KIND_F32 0 /* the widened scratch tile */
+#define KIND_I8 1
+/* k per widened scratch tile: 16 KiB of float32, half of L1d, a multiple of every int4 group size */
+#define KBLOCK 256
+#define X_BLOCK_BYTES (192 * 1024) /* x rows per row block of the widened path: L2 resident (packed_gemm.c) */
+#define XSUM_STACK 4096            /* floats of group sums held on the stack; more: malloc */
+#ifdef INFERQ_NO_SPLIT_K
+#define SPLIT_K(MR) 1
+#else
+#define SPLIT_K(MR) ((MR) == 1 ? 4 : (MR) <= 3 ? 2 : 1)
+#endif
+
+/* Rows up to which the codes are widened in registers by every row tile; above, a K-block at a time into scratch.
+   int8: never, by default. Measured (one Zen 3 core, 1024 x 576 and 576 x 1536, M = 4..128) the direct tiles
+   were 5-50% faster at every M: a 6-row tile is bound by its 12 FMAs per panel row, and the sign-extending
+   loads and conversions run beside them on the other ports, so the scratch tile only adds its stores and
+   loads. int4: direct up to 12 rows (its tiles are at most 4 rows, the nibble unpacking costs more per code,
+   and at 12 rows the two paths tied; 16: scratch 1.1x, 32: 1.2x). qgemm_set_widen_rows changes them (tests,
+   timings). */
+static int widen_rows[2] = {1 << 30, 12};
+void qgemm_set_widen_rows(int fmt, int rows) { widen_rows[fmt ? 1 : 0] = rows; }
+int qgemm_widen_rows(int fmt) { return widen_rows[fmt ? 1 : 0]; }
+
+/* y[0:MR, 0:nc] (+)= acc * scale + b: the end of every tile (acc in registers, two ymm per row). */
+ALWAYS_INLINE void store_tile(const int MR, __m256 (*c)[2], const float* scale, float* y, int64_t ys,
+                              const float* b, int nc, int accumulate) {
+    if (scale) {
+        const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+            c[r][0] = _mm256_mul_ps(c[r][0], s0);
+            c[r][1] = _mm256_mul_ps(c[r][1], s1);
+        }
+    }
+    if (b) {
+        float bb[PANEL] = {0};
+        for (int j = 0; j < nc; j++) bb[j] = b[j];
+        const __m256 b0 = _mm256_loadu_ps(bb), b1 = _mm256_loadu_ps(bb + 8);
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+            c[r][0] = _mm256_add_ps(c[r][0], b0);
+            c[r][1] = _mm256_add_ps(c[r][1], b1);
+        }
+    }
+    _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+        float* yr = y + r * ys;
+        if (nc == PANEL) {
+            if (accumulate) {
+                c[r][0] = _mm256_add_ps(c[r][0], _mm256_loadu_ps(yr));
+                c[r][1] = _mm256_add_ps(c[r][1], _mm256_loadu_ps(yr + 8));
+            }
+            _mm256_storeu_ps(yr, c[r][0]);
+            _mm256_storeu_ps(yr + 8, c[r][1]);
+        } else { /* the last panel of an N that is not a multiple of 16 */
+            float t[PANEL];
+            _mm256_storeu_ps(t, c[r][0]);
+            _mm256_storeu_ps(t + 8, c[r][1]);
+            for (int j = 0; j < nc; j++) yr[j] = accumulate ? yr[j] + t[j] : t[j];
+        }
+    }
+}
+
+/* 16 weights of panel row k: float32 (the scratch tile) or int8 codes widened exactly */
+ALWAYS_INLINE void load_row(const int KIND, const void* w, int64_t k, __m256* w0, __m256* w1) {
+    if (KIND == KIND_F32) {
+        *w0 = _mm256_loadu_ps((const float*)w + k * PANEL);
+        *w1 = _mm256_loadu_ps((const float*)w + k * PANEL + 8);
+    } else {
+        const int8_t* p = (const int8_t*)w + k * PANEL;
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+    }
+}
+
+/* One MR x 16 tile over K panel rows of float32 (scratch) or int8 codes (then times scale): packed_gemm.c's
+   block, at most two accumulator sets (16 ymm registers). prefetch: the next panel's codes, one line per 4 rows
+   of int8 (64 bytes) or per row of float32. */
+ALWAYS_INLINE void block(const int MR, const int KIND, const float* x, int64_t xs, const void* w, int K,
+                         const float* scale, float* y, int64_t ys, const float* b, int nc, int accumulate,
+                         const char* prefetch) {
+    /* four sets for one row of int8 codes: 11 ymm registers, and the widening's extra work per row would
+       otherwise leave the 4 chains of two sets pacing the loop; at most two elsewhere (16 ymm registers) */
+    const int S = KIND == KIND_I8 && MR == 1 ? SPLIT_K(MR) : SPLIT_K(MR) > 2 ? 2 : SPLIT_K(MR);
+    const int row_bytes = KIND == KIND_F32 ? 4 * PANEL : PANEL;
+    __m256 c[4][6][2];
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; s++)
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) c[s][r][0] = c[s][r][1] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + S <= K; k += S) {
+        _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) {
+            const int kk = k + s;
+            if (prefetch && (KIND == KIND_F32 || !(kk & 3))) _mm_prefetch(prefetch + (int64_t)kk * row_bytes, _MM_HINT_T0);
+            __m256 w0, w1;
+            load_row(KIND, w, kk, &w0, &w1);
+            _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+                const __m256 xb = _mm256_broadcast_ss(x + r * xs + kk);
+                c[s][r][0] = _mm256_fmadd_ps(xb, w0, c[s][r][0]);
+                c[s][r][1] = _mm256_fmadd_ps(xb, w1, c[s][r][1]);
+            }
+        }
+    }
+    for (; k < K; k++) {
+        __m256 w0, w1;
+        load_row(KIND, w, k, &w0, &w1);
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
+            c[0][r][0] = _mm256_fmadd_ps(xb, w0, c[0][r][0]);
+            c[0][r][1] = _mm256_fmadd_ps(xb, w1, c[0][r][1]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int s = 1; s < S; s++)
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {
+            c[0][r][0] = _mm256_add_ps(c[0][r][0], c[s][r][0]);
+            c[0][r][1] = _mm256_add_ps(c[0][r][1], c[s][r][1]);
+        }
+    store_tile(MR, c[0], KIND == KIND_I8 ? scale : 0, y, ys, b, nc, accumulate);
+}
+
+/* Pair row j of an int4 panel as floats: lo = codes of k = 2j (columns 0-7, 8-15), hi = codes of k = 2j + 1. */
+ALWAYS_INLINE void load_pair(const uint8_t* w, int64_t j, __m256* lo0, __m256* lo1, __m256* hi0, __m256* hi1) {
+    const __m256i m = _mm256_set1_epi32(15);
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + j * PANEL)));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + j * PANEL + 8)));
+    *lo0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, m));
+    *lo1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, m));
+    *hi0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)); /* a zero-extended byte: the shift leaves 4 bits */
+    *hi1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+}
+
+/* One MR x 16 tile (MR <= 4) of an int4 panel: per group, sum x_k q_k in NS accumulator sets (4 for one row,
+   two pairs per step; 2 for two rows: low and high nibbles; 1 above, 16 ymm registers), then fold the group
+   into the totals with its scales and offsets and the group sums of x (xg: row stride ng). */
+ALWAYS_INLINE void block4(const int MR, const float* x, int64_t xs, const uint8_t* w, const float* sz, int G, int K,
+                          const float* xg, int ng, float* y, int64_t ys, const float* b, int nc, int accumulate,
+                          const uint8_t* prefetch) {
+    const int NS = MR == 1 ? 4 : MR == 2 ? 2 : 1, P = NS == 4 ? 2 : 1; /* sets, pairs per step */
+    const int GP = G / 2;
+    __m256 t[4][2], c[4][4][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < K / G; g++) {
+        _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) c[s][r][0] = c[s][r][1] = _mm256_setzero_ps();
+        if (prefetch) { /* the next panel's scales and offsets of this group: two lines */
+            _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL), _MM_HINT_T0);
+            _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL) + 64, _MM_HINT_T0);
+        }
+        for (int j0 = g * GP; j0 < (g + 1) * GP; j0 += P) {
+            _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
+                const int j = j0 + p;
+                if (prefetch && !(j & 3)) _mm_prefetch((const char*)(prefetch + (int64_t)j * PANEL), _MM_HINT_T0);
+                __m256 lo0, lo1, hi0, hi1;
+                load_pair(w, j, &lo0, &lo1, &hi0, &hi1);
+                const int sa = NS == 4 ? 2 * p : 0, sb = NS == 1 ? 0 : sa + 1;
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+                    const __m256 xa = _mm256_broadcast_ss(x + r * xs + 2 * j);
+                    const __m256 xb = _mm256_broadcast_ss(x + r * xs + 2 * j + 1);
+                    c[sa][r][0] = _mm256_fmadd_ps(xa, lo0, c[sa][r][0]);
+                    c[sa][r][1] = _mm256_fmadd_ps(xa, lo1, c[sa][r][1]);
+                    c[sb][r][0] = _mm256_fmadd_ps(xb, hi0, c[sb][r][0]);
+                    c[sb][r][1] = _mm256_fmadd_ps(xb, hi1, c[sb][r][1]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 4") for (int s = 1; s < NS; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+                c[0][r][0] = _mm256_add_ps(c[0][r][0], c[s][r][0]);
+                c[0][r][1] = _mm256_add_ps(c[0][r][1], c[s][r][1]);
+            }
+        const float* gs = sz + (int64_t)g * 2 * PANEL;
+        const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+        const __m256 o0 = _mm256_loadu_ps(gs + 16), o1 = _mm256_loadu_ps(gs + 24);
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+            const __m256 xs_g = _mm256_broadcast_ss(xg + r * ng + g);
+            t[r][0] = _mm256_fmadd_ps(o0, xs_g, _mm256_fmadd_ps(s0, c[0][r][0], t[r][0]));
+            t[r][1] = _mm256_fmadd_ps(o1, xs_g, _mm256_fmadd_ps(s1, c[0][r][1], t[r][1]));
+        }
+    }
+    store_tile(MR, t, 0, y, ys, b, nc, accumulate);
+}
+
+/* the row count is a compile-time constant inside each block (always_inline), hence one case per count */
+static void tile_f32(int mr, const float* x, int64_t xs, const float* w, int K, float* y, int64_t ys,
+                     const float* b, int nc, int acc) {
+    switch (mr) {
+        case 1: block(1, KIND_F32, x, xs, w, K, 0, y, ys, b, nc, acc, 0); break;
+        case 2: block(2, KIND_F32, x, xs, w, K, 0, y, ys, b, nc, acc, 0); break;
+        case 3: block(3, KIND_F32, x, xs, w, K, 0, y, ys, b, nc, acc, 0); break;
+        case 4: block(4, KIND_F32, x, xs, w, K, 0, y, ys, b, nc, acc, 0); break;
+        case 5: block(5, KIND_F32, x, xs, w, K, 0, y, ys, b, nc, acc, 0); break;
+        default: block(6, KIND_F32, x, xs, w, K, 0, y, ys, b, nc, acc, 0); break;
+    }
+}
+
+static void tile_i8(int mr, const float* x, int64_t xs, const int8_t* w, int K, const float* scale, float* y,
+                    int64_t ys, const float* b, int nc, int acc, const char* pf) {
+    switch (mr) {
+        case 1: block(1, KIND_I8, x, xs, w, K, scale, y, ys, b, nc, acc, pf); break;
+        case 2: block(2, KIND_I8, x, xs, w, K, scale, y, ys, b, nc, acc, pf); break;
+        case 3: block(3, KIND_I8, x, xs, w, K, scale, y, ys, b, nc, acc, pf); break;
+        case 4: block(4, KIND_I8, x, xs, w, K, scale, y, ys, b, nc, acc, pf); break;
+        case 5: block(5, KIND_I8, x, xs, w, K, scale, y, ys, b, nc, acc, pf); break;
+        default: block(6, KIND_I8, x, xs, w, K, scale, y, ys, b, nc, acc, pf); break;
+    }
+}
+
+static void tile_i4(int mr, const float* x, int64_t xs, const uint8_t* w, const float* sz, int G, int K,
+                    const float* xg, int ng, float* y, int64_t ys, const float* b, int nc, int acc,
+                    const uint8_t* pf) {
+    switch (mr) {
+        case 1: block4(1, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
+        case 2: block4(2, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
+        case 3: block4(3, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
+        default: block4(4, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
+    }
+}
+
+/* Panel p's rows k0 .. k0 + kn widened to float32 weights in dst [kn, 16]; the same rows of the next panel
+   (pf, its codes) prefetched. */
+static void widen(int fmt, const void* codes, const float* s, int G, int K, int k0, int kn, float* dst,
+                  const char* pf) {
+    if (fmt == FMT_I8) {
+        const int8_t* w = (const int8_t*)codes;
+        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+        for (int k = 0; k < kn; k++) {
+            if (pf && !(k & 3)) _mm_prefetch(pf + (int64_t)(k0 + k) * PANEL, _MM_HINT_T0);
+            __m256 w0, w1;
+            load_row(KIND_I8, w, k0 + k, &w0, &w1);
+            _mm256_storeu_ps(dst + k * PANEL, _mm256_mul_ps(w0, s0));
+            _mm256_storeu_ps(dst + k * PANEL + 8, _mm256_mul_ps(w1, s1));
+        }
+        return;
+    }
+    (void)K;
+    const uint8_t* w = (const uint8_t*)codes;
+    for (int j = k0 / 2; j < (k0 + kn) / 2; j++) {
+        if (pf && !(j & 3)) _mm_prefetch(pf + (int64_t)j * PANEL, _MM_HINT_T0);
+        const float* gs = s + (int64_t)(2 * j / G) * 2 * PANEL;
+        const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+        const __m256 o0 = _mm256_loadu_ps(gs + 16), o1 = _mm256_loadu_ps(gs + 24);
+        __m256 lo0, lo1, hi0, hi1;
+        load_pair(w, j, &lo0, &lo1, &hi0, &hi1);
+        float* d = dst + (int64_t)(2 * j - k0) * PANEL;
+        _mm256_storeu_ps(d, _mm256_fmadd_ps(lo0, s0, o0));
+        _mm256_storeu_ps(d + 8, _mm256_fmadd_ps(lo1, s1, o1));
+        _mm256_storeu_ps(d + 16, _mm256_fmadd_ps(hi0, s0, o0));
+        _mm256_storeu_ps(d + 24, _mm256_fmadd_ps(hi1, s1, o1));
+    }
+}
+
+/* Bytes of one panel's codes, and floats of its scales (int8: 16; int4: its K/G groups' scales and offsets). */
+static int64_t panel_code_bytes(int fmt, int K) { return fmt == FMT_I8 ? (int64_t)K * PANEL : (int64_t)K / 2 * PANEL; }
+static int64_t panel_scale_floats(int fmt, int K, int G) { return fmt == FMT_I8 ? PANEL : (int64_t)K / G * 2 * PANEL; }
+
+/* Rows per row block: their x rows (about X_BLOCK_BYTES of k_len inputs each) stay in L2 while every panel of the
+   thread's share passes over them; without blocks each panel re-read all M rows of x from L3 (packed_gemm.c). */
+static int row_block(int M, int k_len) {
+    int mb = (int)(X_BLOCK_BYTES / ((int64_t)k_len * 4)) / 12 * 12;
+    if (mb < 24) mb = 24;
+    return M <= 2 * mb ? M : mb;
+}
+
+/* Codes widened in registers by every row tile: near-equal tiles of at most 6 (int8) or 4 (int4) rows; the
+   first tile of a panel prefetches the next. xg: the rows' group sums of x (int4). */
+static void share_direct(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G,
+                         const float* xg, const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
+    const int np = (N + PANEL - 1) / PANEL, ng = fmt == FMT_I4 ? K / G : 0, mb = row_block(M, K);
+    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G);
+    const int tile_rows = fmt == FMT_I8 ? 6 : 4;
+    for (int r0 = 0; r0 < M; r0 += mb) {
+        const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + tile_rows - 1) / tile_rows;
+        /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < np; p++) {
+            const char* w = (const char*)wp + (int64_t)p * pb;
+            const float* sp = s + (int64_t)p * ps;
+            const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+            int m0 = r0;
+            for (int t = 0; t < tiles; t++) {
+                const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
+                const char* next = (t == 0 && p + 1 < np) ? w + pb : 0;
+                if (fmt == FMT_I8)
+                    tile_i8(mr, x + m0 * xs, xs, (const int8_t*)w, K, sp, y + m0 * ys + n0, ys, b ? b + n0 : 0, nc,
+                            accumulate, next);
+                else
+                    tile_i4(mr, x + m0 * xs, xs, (const uint8_t*)w, sp, G, K, xg + (int64_t)m0 * ng, ng,
+                            y + m0 * ys + n0, ys, b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
+                m0 += mr;
+            }
+        }
+    }
+}
+
+/* Prefill sizes: per row block (its x rows L2 resident, as in packed_gemm.c), each panel is widened K-block by
+   K-block into scratch and every row tile runs the float micro-kernel over it, accumulating over the K-blocks
+   (the bias added by the first). */
+static void share_widened(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G,
+                          const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
+    float scratch[KBLOCK * PANEL] __attribute__((aligned(64)));
+    const int np = (N + PANEL - 1) / PANEL;
+    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G);
+    const int mb = row_block(M, K < KBLOCK ? K : KBLOCK);
+    for (int r0 = 0; r0 < M; r0 += mb) {
+        const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + 5) / 6;
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < np; p++) {
+            const char* w = (const char*)wp + (int64_t)p * pb;
+            const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+            for (int k0 = 0; k0 < K; k0 += KBLOCK) {
+                const int kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
+                widen(fmt, w, s + (int64_t)p * ps, G, K, k0, kn, scratch, p + 1 < np ? w + pb : 0);
+                int m0 = r0;
+                for (int t = 0; t < tiles; t++) {
+                    const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
+                    tile_f32(mr, x + m0 * xs + k0, xs, scratch, kn, y + m0 * ys + n0, ys,
+                             (b && k0 == 0) ? b + n0 : 0, nc, accumulate || k0 > 0);
+                    m0 += mr;
+                }
+            }
+        }
+    }
+}
+
+/* The group sums of x's rows (int4's second term), computed by the calling thread into xg [M, K/G]. */
+static void group_sums(const float* x, int64_t xs, int M, int K, int G, float* xg) {
+    const int ng = K / G;
+    for (int r = 0; r < M; r++)
+        for (int g = 0; g < ng; g++) {
+            __m256 a = _mm256_setzero_ps();
+            const float* xr = x + r * xs + (int64_t)g * G;
+            for (int k = 0; k < G; k += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(xr + k));
+            xg[(int64_t)r * ng + g] = hsum8(a);
+        }
+}
+
+/* Whether the arguments describe a product these kernels run: int8, or int4 with an even group size (every
+   int4 group size of kernels/quant.py is one) that divides K, and a K-block a multiple of it. */
+static int bad_args(int fmt, int K, int G) {
+    if (fmt == FMT_I8) return 0;
+    return fmt != FMT_I4 || G <= 0 || G % 8 || K % G || KBLOCK % G;
+}
+
+/* The product for the thread team of an enclosing parallel region (decode_step.c's pattern): each thread takes
+   its static share of the panels and returns without a barrier (the caller places one before y is read); int4's
+   group sums of x are computed by each thread for itself, as nothing here may synchronise. Called outside a
+   parallel region, one thread does it all. fmt 0: int8 (s = scale [Npad]); 1: int4 (s = sz, G its group size).
+   Returns 1 (nothing done) for arguments no kernel here takes. */
+int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G, const float* b,
+               float* y, int64_t ys, int M, int N, int K, int accumulate) {
+    if (bad_args(fmt, K, G)) return 1;
+    if (M <= 0 || N <= 0 || K <= 0) return 0;
+    if (M > widen_rows[fmt]) {
+        share_widened(fmt, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
+        return 0;
+    }
+    if (fmt == FMT_I8) {
+        share_direct(fmt, x, xs, wp, s, G, 0, b, y, ys, M, N, K, accumulate);
+        return 0;
+    }
+    const int64_t n = (int64_t)M * (K / G);
+    float stack[XSUM_STACK];
+    float* heap = n <= XSUM_STACK ? 0 : (float*)malloc(n * sizeof(float));
+    if (n > XSUM_STACK && !heap) return 1;
+    float* xg = heap ? heap : stack;
+    group_sums(x, xs, M, K, G, xg);
+    share_direct(fmt, x, xs, wp, s, G, xg, b, y, ys, M, N, K, accumulate);
+    free(heap);
+    return 0;
+}
+
+/* The same product in a parallel region of its own (torch's OpenMP threads). */
+int qgemm(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G, const float* b, float* y,
+          int64_t ys, int M, int N, int K, int accumulate) {
+    if (bad_args(fmt, K, G)) return 1;
+    int err = 0;
+    #pragma omp parallel reduction(| : err)
+    err |= qgemm_team(fmt, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
+    return err;
+}
+
+#endif /* INFERQ_HAVE_AVX2 */

@@ -1,0 +1,144 @@
+"""``y = x W^T + b`` on CPU with W quantised (:mod:`kernels.quant`) and packed once at load into 16-column panels:
+our own kernel (``csrc/quant_gemm.c``), AVX2 + FMA, float32 activations and arithmetic.
+
+Why: torch's quantised CPU products are far from reading the weight at memory bandwidth at one sequence
+(bfloat16 activations, per-call setup); in panels, like :mod:`kernels.packed_gemm`'s float ones, a decode step
+streams the codes front to back once and widens them in registers. Layouts (the C file says why):
+
+- int8: codes ``[ceil(N/16), K, 16]`` int8 and the per-channel scales ``[Npad]`` float32;
+- int4: codes ``[ceil(N/16), K/2, 16]`` uint8 (the byte of column c for k pair j: k = 2j in the low nibble,
+  2j + 1 in the high one) and ``sz [ceil(N/16), K/G, 2, 16]`` float32: per group its 16 scales, then its 16
+  offsets ``zero - 8 scale`` (so ``w = q * scale + offset``).
+
+Which of this and torch's forms is faster per shape and M is measured at load by :mod:`kernels.quant_gemm`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kernels import hugepages, native
+from kernels.quant import QuantizedWeight
+
+PANEL = 16
+SOURCES = ("quant_gemm.c",)
+FMT = {"int8": 0, "int4": 1}
+ARENA_MIN_BYTES = 1 << 20  # smaller packs (tests, tiny models) are ordinary tensors
+_arena = hugepages.Arena()  # panels kept for the model's life, in huge pages (kernels/hugepages.py says why)
+
+
+def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
+    """Build (once per machine) and :func:`bind` the library; ``defines`` picks a variant (:mod:`kernels.native`,
+    e.g. ``{"INFERQ_NO_AVX512": 1}``). None where it cannot be built."""
+    lib = native.build("quant_gemm", SOURCES, defines)
+    return bind(lib) if lib is not None else None
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the library's C signatures: ``(fmt, x, xs, codes, s, G, b, y, ys, M, N, K, accumulate)``."""
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    for fn in (lib.qgemm, lib.qgemm_team):
+        fn.argtypes = [i, p, i64, p, p, i, p, p, i64, i, i, i, i]
+        fn.restype = i
+    lib.qgemm_set_widen_rows.argtypes = [i, i]
+    lib.qgemm_set_widen_rows.restype = None
+    lib.qgemm_widen_rows.argtypes = [i]
+    lib.qgemm_widen_rows.restype = i
+    return lib
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    flags = native.cpu_flags().split()
+    if "avx2" not in flags or "fma" not in flags:
+        return None
+    return build()
+
+
+def available() -> bool:
+    """Whether the kernel runs here (x86 CPU with AVX2 + FMA and a C compiler)."""
+    return _load() is not None
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A quantised ``[n, k]`` weight in panels. ``codes``: int8 ``[np, k, 16]`` or uint8 ``[np, k/2, 16]``;
+    ``scales``: float32 ``[np * 16]`` (int8) or ``[np, k/group, 2, 16]`` (int4: scales, then offsets)."""
+
+    fmt: str
+    n: int
+    k: int
+    group_size: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the de-quantised int8 weight (float32), bit for bit ``QuantizedWeight``'s."""
+        assert self.fmt == "int8", "int4 rows are read from the codes (QuantLinear keeps them when asked)"
+        return self.codes[ids // PANEL, :, ids % PANEL].float() * self.scales[ids][:, None]
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return _arena.empty(shape, dtype) if huge and nbytes >= ARENA_MIN_BYTES else torch.empty(shape, dtype=dtype)
+
+
+def _panel_major(t: torch.Tensor, np_: int) -> torch.Tensor:
+    """``[n, c]`` -> ``[np, c, 16]`` (rows past n zero): column c of output row 16 p + i at ``[p, c, i]``."""
+    padded = torch.zeros((np_ * PANEL, t.shape[1]), dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded.view(np_, PANEL, -1).transpose(1, 2)
+
+
+def pack(q: QuantizedWeight, huge: bool = False) -> Panels:
+    """``q`` in panels (padded output rows are zero weights). ``huge``: codes in the huge-page arena (a weight
+    kept for the model's life; never for a throw-away copy, whose arena space would not come back)."""
+    n, k = q.shape
+    np_ = -(-n // PANEL)
+    if q.fmt == "int8":
+        codes = _panel_major(q.codes, np_)
+        scales = torch.zeros(np_ * PANEL)
+        scales[:n] = q.scale
+        return Panels("int8", n, k, 0, _alloc(tuple(codes.shape), torch.int8, huge).copy_(codes), scales)
+    assert q.fmt == "int4" and q.zero is not None and k % 2 == 0
+    c = _panel_major(q.codes, np_).reshape(np_, k // 2, 2, PANEL)
+    packed = c[:, :, 0] | (c[:, :, 1] << 4)
+    # the offset zero - 8 scale in float64, rounded once
+    offset = (q.zero.double() - 8.0 * q.scale.double()).float()
+    sz = torch.stack((_panel_major(q.scale, np_), _panel_major(offset, np_)), dim=2).contiguous()
+    return Panels("int4", n, k, q.group_size, _alloc(tuple(packed.shape), torch.uint8, huge).copy_(packed), sz)
+
+
+def matmul(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           lib: ctypes.CDLL | None = None, team: bool = False) -> torch.Tensor:
+    """``x W^T + b`` as a new float32 ``[M, n]`` tensor, or ``out += x W^T + b`` in place when ``out`` is given
+    (float32, dense rows). ``x`` float32 ``[M, k]`` with dense rows (any row stride). ``lib``: a variant from
+    :func:`build` (tests); ``team``: call ``qgemm_team`` (outside a parallel region: one thread) instead."""
+    lib = lib or _load()
+    assert lib is not None, "quantised panel GEMM kernel not available"
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert k == panels.k, (k, panels.k)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((m, panels.n), dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.stride(-1) == 1 and out.shape == (m, panels.n)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    fn = lib.qgemm_team if team else lib.qgemm
+    err = fn(FMT[panels.fmt], x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
+             panels.group_size, bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m,
+             panels.n, k, 1 if accumulate else 0)
+    assert err == 0, f"quantised panel GEMM refused {panels.fmt} k={k} group={panels.group_size}"
+    return out

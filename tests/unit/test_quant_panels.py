@@ -1,0 +1,153 @@
+"""kernels/quant_panels.py (csrc/quant_gemm.c): int8 and int4 panels against the de-quantised weight in float64,
+at decode and prefill row counts, odd output widths, several groups (all-zero ones and outliers among them),
+bias and accumulation, for the AVX2 build and the default one; qgemm_team outside a parallel region equals
+qgemm; and the planner's "panels" form inside QuantLinear."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kernels import quant, quant_gemm, quant_panels
+
+pytestmark = pytest.mark.skipif(not quant_panels.available(), reason="no AVX2+FMA CPU or no C compiler")
+
+ROWS = (1, 2, 3, 5, 8, 13, 16, 64, 257)
+# (fmt, group size, N, K): N never a multiple of 16; K several groups (and, for 1536, several K-blocks)
+CASES = [("int8", 0, 37, 96), ("int8", 0, 100, 576), ("int4", 32, 37, 128), ("int4", 64, 50, 576),
+         ("int4", 128, 21, 1536), ("int4", 256, 19, 512)]
+
+
+@functools.cache
+def _lib(variant: str):
+    return quant_panels.build({"INFERQ_NO_AVX512": 1} if variant == "avx2" else None)
+
+
+def _weight(n: int, k: int, group: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    span = group or 32
+    w[0] = 0.0  # an all-zero row
+    w[1, :span] = 0.0  # an all-zero group
+    w[2, span : 2 * span] = 0.25  # a constant group
+    w[3, 5] = 40.0  # outliers
+    w[-1, -1] = -25.0
+    w[4] *= 1e-5  # tiny values
+    return w
+
+
+def _quantized(fmt: str, group: int, n: int, k: int) -> quant.QuantizedWeight:
+    w = _weight(n, k, group)
+    return quant.quantize(w, fmt, group) if fmt == "int4" else quant.quantize(w, fmt)
+
+
+def _check(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """float32 summation order only: each element within ~1e-5 of sum |x w| + |ref| (its rounding scale, bias and
+    accumulated values included), and the whole within 1e-5 relative."""
+    scale = x.double().abs() @ w.double().abs().t() + ref.abs() + 1e-30
+    err = (got.double() - ref).abs()
+    assert (err <= 1e-5 * scale + 1e-30).all(), float((err / scale).max())
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["avx2", "default"])
+@pytest.mark.parametrize(("fmt", "group", "n", "k"), CASES)
+def test_panels_match_the_dequantised_weight(variant, fmt, group, n, k):
+    lib = _lib(variant)
+    assert lib is not None
+    q = _quantized(fmt, group, n, k)
+    p = quant_panels.pack(q)
+    assert p.codes.shape == ((n + 15) // 16, k if fmt == "int8" else k // 2, 16)
+    w = q.dequantize()
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        x[0, :7] *= 1e3  # an activation outlier
+        ref = x.double() @ w.double().t()
+        _check(quant_panels.matmul(x, p, lib=lib), ref, x, w)
+        _check(quant_panels.matmul(x, p, bias, lib=lib), ref + bias.double(), x, w)
+        out = torch.randn(m, n, generator=gen)
+        want = ref + bias.double() + out.double()
+        got = quant_panels.matmul(x, p, bias, out=out, lib=lib)
+        assert got is out
+        _check(out, want, x, w)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_direct_and_widened_paths_agree_at_every_row_count(fmt):
+    """Both paths for every M: the codes widened in registers per tile, and a K-block at a time into scratch."""
+    lib = _lib("default")
+    f = quant_panels.FMT[fmt]
+    default = lib.qgemm_widen_rows(f)
+    q = _quantized(fmt, 64, 40, 640)  # K = 2.5 K-blocks
+    p = quant_panels.pack(q)
+    w = q.dequantize()
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for rows in (0, 1 << 30):
+            lib.qgemm_set_widen_rows(f, rows)
+            for m in (1, 3, 7, 16, 70):
+                x = torch.randn(m, 640, generator=gen)
+                _check(quant_panels.matmul(x, p, lib=lib), x.double() @ w.double().t(), x, w)
+    finally:
+        lib.qgemm_set_widen_rows(f, default)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_strided_rows_and_team_call_equal_qgemm(fmt):
+    q = _quantized(fmt, 32, 45, 256)
+    p = quant_panels.pack(q)
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 4, 16, 40):
+        big = torch.randn(m, 300, generator=gen)
+        x = big[:, 20:276]  # a row stride that is not K
+        assert x.stride(0) == 300
+        whole = quant_panels.matmul(x, p)
+        assert torch.equal(whole, quant_panels.matmul(x.contiguous(), p))
+        # outside a parallel region, qgemm_team runs every panel on the calling thread: the same sums per element
+        assert torch.equal(quant_panels.matmul(x, p, team=True), whole)
+
+
+def test_bad_arguments_are_refused():
+    lib = _lib("default")
+    x, y = torch.zeros(1, 96), torch.zeros(1, 16)
+    codes, scales = torch.zeros(1, 48, 16, dtype=torch.uint8), torch.zeros(1, 3, 2, 16)
+    args = (x.data_ptr(), 96, codes.data_ptr(), scales.data_ptr())
+    assert lib.qgemm(1, *args, 48, None, y.data_ptr(), 16, 1, 16, 96, 0) == 1  # 48 does not divide the K-block
+    assert lib.qgemm(1, *args, 64, None, y.data_ptr(), 16, 1, 16, 96, 0) == 1  # 64 does not divide K
+    assert lib.qgemm(2, *args, 32, None, y.data_ptr(), 16, 1, 16, 96, 0) == 1  # no such format
+    assert lib.qgemm(1, *args, 32, None, y.data_ptr(), 16, 1, 16, 96, 0) == 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quant_linear_panels_form(fmt):
+    q = _quantized(fmt, 32, 70, 128)
+    bias = torch.randn(70)
+    lin = quant_gemm.QuantLinear(q, bias, ("panels",) * 4)
+    assert lin.panels is not None and not lin.weight.codes.numel()  # the panels are the only copy
+    assert lin.nbytes == lin.panels.nbytes  # the panels hold their own scales
+    x = torch.randn(5, 128)
+    ref = x.double() @ q.dequantize().double().t() + bias.double()
+    w = q.dequantize()
+    _check(lin(x), ref, x, w)
+    out = torch.ones(5, 70)
+    assert lin.add_to(out, x) is out
+    _check(out, ref + 1.0, x, w)
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
+    if fmt == "int8":  # a tied table's rows come from the panels, bit for bit
+        ids = torch.tensor([0, 69, 3, 3])
+        assert torch.equal(lin.rows(ids), q.dequantize()[ids])
+    assert quant_gemm.QuantLinear(q, None, ("w8a16" if fmt == "int8" else "w4",) * 4).panels is None
+
+
+def test_planner_times_the_panels_and_keeps_one_copy_when_they_serve_every_bucket():
+    q = _quantized("int4", 32, 64, 256)
+    assert "panels" in quant_gemm.candidates("int4")
+    lin = quant_gemm.plan(q)
+    assert set(lin.forms) <= set(quant_gemm.FORMS["int4"])
+    assert (lin.panels is not None) == ("panels" in lin.forms)
+    if set(lin.forms) == {"panels"}:
+        assert not lin.weight.codes.numel() and "packed" not in lin._state
