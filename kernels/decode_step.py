@@ -154,6 +154,7 @@ class DecodeStep:
         """Every layer over ``x`` (float32 ``[M, H]``, dense; updated in place to the last residual stream): rot
         ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots, block tables and lengths
         from ``meta`` (the leading decodes, then the chunks of several tokens)."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and rot.is_contiguous()  # the C side's row strides
         plan = meta.cache.get("decode_step")
         if plan is None:
             plan = meta.cache["decode_step"] = _step_plan(meta)

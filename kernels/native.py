@@ -56,6 +56,12 @@ def cpu_flags() -> str:
     return ""
 
 
+def has_avx2_fma() -> bool:
+    """Whether this CPU has AVX2 and FMA, which the GEMM kernels need (they have no portable path)."""
+    flags = cpu_flags().split()
+    return "avx2" in flags and "fma" in flags
+
+
 def cache_dir() -> Path:
     return Path.home() / ".cache" / "inferq" / "kernels"
 

@@ -31,10 +31,7 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
 
 @functools.cache
 def _load() -> ctypes.CDLL | None:
-    flags = native.cpu_flags().split()
-    if "avx2" not in flags or "fma" not in flags:
-        return None
-    return build()
+    return build() if native.has_avx2_fma() else None
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:

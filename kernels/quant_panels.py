@@ -53,10 +53,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 @functools.cache
 def _load() -> ctypes.CDLL | None:
-    flags = native.cpu_flags().split()
-    if "avx2" not in flags or "fma" not in flags:
-        return None
-    return build()
+    return build() if native.has_avx2_fma() else None
 
 
 def available() -> bool:

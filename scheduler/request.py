@@ -110,6 +110,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    num_spec_drafts: int = 0  # verified steps that held at least one proposal
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

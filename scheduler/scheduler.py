@@ -392,6 +392,7 @@ class Scheduler:
         k = len(req.spec_token_ids)
         req.num_spec_proposed += k
         req.num_spec_accepted += accepted
+        req.num_spec_drafts += 1 if k else 0
         req.spec_token_ids = []
         return k - accepted
 

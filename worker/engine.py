@@ -33,6 +33,7 @@ class EngineStats:
     completion_tokens: int = 0
     spec_proposed_tokens: int = 0  # speculative proposals verified (finished requests)
     spec_accepted_tokens: int = 0  # of which accepted
+    spec_drafts: int = 0  # verified (request, step) pairs holding proposals (finished requests)
     steps: int = 0
     busy_seconds: float = 0.0
     kv_usage_peak: float = 0.0
@@ -282,6 +283,7 @@ class LLMEngine:
         st.completion_tokens += u.completion_tokens
         st.spec_proposed_tokens += u.spec_proposed_tokens
         st.spec_accepted_tokens += u.spec_accepted_tokens
+        st.spec_drafts += req.num_spec_drafts
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         st.finish_reasons[reason] = st.finish_reasons.get(reason, 0) + 1
         return RequestOutput(

@@ -32,8 +32,8 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.model = model
         # the engine's running totals last copied into the counters
-        self._engine_totals = {"preemptions": 0.0, "busy_seconds": 0.0, "spec_proposed_tokens": 0.0,
-                               "spec_accepted_tokens": 0.0}
+        self._engine_totals = {"preemptions": 0.0, "busy_seconds": 0.0, "steps": 0.0, "spec_proposed_tokens": 0.0,
+                               "spec_accepted_tokens": 0.0, "spec_drafts": 0.0}
 
         def metric(kind: Any, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> _ForModel:
             m = kind(name, doc, ["model", *labels], registry=self.registry, **kw)
@@ -68,6 +68,14 @@ class WorkerMetrics:
         self.spec_accepted = metric(Counter, "inferq_spec_accepted_tokens",
                                     "Speculative tokens accepted (each saved a model step); divided by "
                                     "inferq_spec_proposed_tokens_total: the acceptance rate.")
+        # vLLM's spec_decode_num_drafts: accepted / drafts is the mean accepted length, proposed / steps the
+        # proposals per engine step
+        self.spec_drafts = metric(Counter, "inferq_spec_drafts",
+                                  "Verified (request, step) pairs that held proposals (finished requests); "
+                                  "inferq_spec_accepted_tokens_total divided by this: the mean accepted length.")
+        self.steps = metric(Counter, "inferq_engine_steps",
+                            "Engine steps run; inferq_spec_proposed_tokens_total divided by this: the proposals "
+                            "per step.")
         self.tokens = metric(Counter, "inferq_tokens",
                              "Tokens processed, by kind. The kinds are disjoint: prompt_cached (served from the "
                              "prefix cache) + prompt_uncached (computed) = prompt tokens; their sum with "
@@ -125,8 +133,8 @@ class WorkerMetrics:
                 gauge.set(value)
         self._seat_stats(sched)
         for name, counter in (("preemptions", self.preemptions), ("busy_seconds", self.busy_seconds),
-                              ("spec_proposed_tokens", self.spec_proposed),
-                              ("spec_accepted_tokens", self.spec_accepted)):
+                              ("steps", self.steps), ("spec_proposed_tokens", self.spec_proposed),
+                              ("spec_accepted_tokens", self.spec_accepted), ("spec_drafts", self.spec_drafts)):
             value = _number(lambda name=name: getattr(stats, name))
             if value is not None and value > self._engine_totals[name]:
                 counter.inc(value - self._engine_totals[name])

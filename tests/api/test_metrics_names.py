@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 MONOTONIC = {"inferq_preemptions", "inferq_engine_busy_seconds", "inferq_tokens", "inferq_jobs_finished",
              "inferq_dead_letters", "inferq_messages_reclaimed", "inferq_jobs_handed_back", "inferq_db_errors",
              "inferq_result_write_errors", "inferq_api_requests", "inferq_api_jobs_submitted",
-             "inferq_spec_proposed_tokens", "inferq_spec_accepted_tokens"}
+             "inferq_spec_proposed_tokens", "inferq_spec_accepted_tokens", "inferq_spec_drafts",
+             "inferq_engine_steps"}
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,7 @@ def test_rejected_proposals_return_their_blocks_and_count():
     sched.postprocess(out, [[5, 6, 42]])  # two accepted, then the model's own token
     assert a.output_token_ids == [7, 5, 6, 42]
     assert a.num_computed_tokens == 6 and len(a.block_table) == 2  # the block of rejected ones came back
-    assert (a.num_spec_proposed, a.num_spec_accepted) == (6, 2) and a.spec_token_ids == []
+    assert (a.num_spec_proposed, a.num_spec_accepted, a.num_spec_drafts) == (6, 2, 1) and a.spec_token_ids == []
     assert a.is_decoding and a.status is RequestStatus.RUNNING
 
 
@@ -116,11 +116,11 @@ def test_worker_metrics_count_speculative_tokens():
     from worker.metrics import WorkerMetrics
 
     m = WorkerMetrics(model="tiny")
-    stats = SimpleNamespace(preemptions=0, busy_seconds=0.0, spec_proposed_tokens=40, spec_accepted_tokens=30,
-                            prefix_hit_rate=0.0)
+    stats = SimpleNamespace(preemptions=0, busy_seconds=0.0, steps=10, spec_proposed_tokens=40, spec_accepted_tokens=30,
+                            spec_drafts=12, prefix_hit_rate=0.0)
     engine = SimpleNamespace(stats=stats, scheduler=None, block_manager=None)
     m.engine_stats(engine)
-    stats.spec_proposed_tokens, stats.spec_accepted_tokens = 100, 61
+    stats.spec_proposed_tokens, stats.spec_accepted_tokens, stats.spec_drafts, stats.steps = 100, 61, 30, 25
     m.engine_stats(engine)
     m.engine_stats(engine)  # no change: nothing added twice
 
@@ -129,3 +129,4 @@ def test_worker_metrics_count_speculative_tokens():
 
     assert value("inferq_spec_proposed_tokens_total") == 100
     assert value("inferq_spec_accepted_tokens_total") == 61
+    assert value("inferq_spec_drafts_total") == 30 and value("inferq_engine_steps_total") == 25
