@@ -232,8 +232,34 @@ def run(model: str | None = None, *, dtype: str = "float32", concurrencies: tupl
         result["vllm_cpu"] = vllm
     out_dir = common.results_dir(out)
     common.write_json(out_dir, tag, result)
+    plot(result, out_dir, tag)
     log(report(result))
     return result
+
+
+def plot(result: dict, out_dir: Path, stem: str) -> None:
+    """Per workload: each method's throughput over ``off`` and its TPOT p50 gain, by clients, one line per engine
+    and method."""
+    plt = common.pyplot()
+    workloads = sorted({r["workload"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, 2 * len(workloads), figsize=(5 * len(workloads) * 2, 3.5), squeeze=False)
+    for w, workload in enumerate(workloads):
+        rows = [r for r in result["rows"] if r["workload"] == workload]
+        for engine in sorted({r.get("engine", "inferq") for r in rows}):
+            mine = [r for r in rows if r.get("engine", "inferq") == engine]
+            for m in result["methods"]:
+                for col, key in enumerate((f"{m}_speedup", f"{m}_tpot_gain")):
+                    pts = [(r["concurrency"], r.get(key)) for r in mine if r.get(key) is not None]
+                    if pts:
+                        axes[0][2 * w + col].plot(*zip(*pts, strict=True), marker="o", label=f"{engine} {m}")
+        for col, label in enumerate(("throughput / off", "TPOT p50 gain over off")):
+            ax = axes[0][2 * w + col]
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("clients")
+            ax.set_title(f"{workload}: {label}")
+            ax.legend(fontsize=7)
+    common.save_figure(fig, out_dir, stem)
 
 
 def _vllm_cases(model_dir: Path, dtype: str, cases: list, methods: tuple[str, ...], *, max_tokens: int,

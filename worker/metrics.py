@@ -62,20 +62,7 @@ class WorkerMetrics:
                                    "Bytes of model weights a forward reads (quantised ones as stored).")
         self.kv_bytes_per_token = metric(Gauge, "inferq_kv_cache_bytes_per_token",
                                          "KV-cache bytes one token takes (all layers, K and V).")
-        # vLLM's spec_decode_num_draft_tokens / num_accepted_tokens: the acceptance rate is their ratio
-        self.spec_proposed = metric(Counter, "inferq_spec_proposed_tokens",
-                                    "Speculative tokens proposed and verified (finished requests).")
-        self.spec_accepted = metric(Counter, "inferq_spec_accepted_tokens",
-                                    "Speculative tokens accepted (each saved a model step); divided by "
-                                    "inferq_spec_proposed_tokens_total: the acceptance rate.")
-        # vLLM's spec_decode_num_drafts: accepted / drafts is the mean accepted length, proposed / steps the
-        # proposals per engine step
-        self.spec_drafts = metric(Counter, "inferq_spec_drafts",
-                                  "Verified (request, step) pairs that held proposals (finished requests); "
-                                  "inferq_spec_accepted_tokens_total divided by this: the mean accepted length.")
-        self.steps = metric(Counter, "inferq_engine_steps",
-                            "Engine steps run; inferq_spec_proposed_tokens_total divided by this: the proposals "
-                            "per step.")
+        self._speculation_metrics(metric)
         self.tokens = metric(Counter, "inferq_tokens",
                              "Tokens processed, by kind. The kinds are disjoint: prompt_cached (served from the "
                              "prefix cache) + prompt_uncached (computed) = prompt tokens; their sum with "
@@ -96,6 +83,21 @@ class WorkerMetrics:
                            ("tier",), buckets=_TPOT_BUCKETS)
         self.e2e = metric(Histogram, "inferq_e2e_seconds", "Acceptance to terminal status.", ("tier",),
                           buckets=_LATENCY_BUCKETS)
+
+    def _speculation_metrics(self, metric: Any) -> None:
+        """vLLM's spec_decode counters under our names: accepted / proposed is the acceptance rate, accepted /
+        drafts the mean accepted length, proposed / steps the proposals per engine step."""
+        self.spec_proposed = metric(Counter, "inferq_spec_proposed_tokens",
+                                    "Speculative tokens proposed and verified (finished requests).")
+        self.spec_accepted = metric(Counter, "inferq_spec_accepted_tokens",
+                                    "Speculative tokens accepted (each saved a model step); divided by "
+                                    "inferq_spec_proposed_tokens_total: the acceptance rate.")
+        self.spec_drafts = metric(Counter, "inferq_spec_drafts",
+                                  "Verified (request, step) pairs that held proposals (finished requests); "
+                                  "inferq_spec_accepted_tokens_total divided by this: the mean accepted length.")
+        self.steps = metric(Counter, "inferq_engine_steps",
+                            "Engine steps run; inferq_spec_proposed_tokens_total divided by this: the proposals "
+                            "per step.")
 
     def _fleet_metrics(self, metric: Any) -> None:
         """What an autoscaler and the cache-aware router are judged by (issue 17)."""

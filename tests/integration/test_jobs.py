@@ -228,7 +228,9 @@ def test_reconcile_requeues_stale_running_and_expires(db, r, cfg):
         s.commit()
     r.delete(*jobs.tier_streams(r, cfg.stream_prefix, "tiny", "interactive"))
     rep = jobs.reconcile(db, r, cfg, grace_seconds=0)
-    assert rep.requeued == 1 and rep.expired >= 1
+    # (>= 1: the database is the whole session's, and a job an earlier module left running goes stale too;
+    # what this test's own three jobs became is checked one by one below)
+    assert rep.requeued >= 1 and rep.expired >= 1
     with db() as s:
         assert s.get(Job, stale.id).status == "queued" and s.get(Job, stale.id).attempts == 1
         assert s.get(Job, fresh.id).status == "running"
