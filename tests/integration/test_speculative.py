@@ -160,3 +160,39 @@ def test_stop_string_and_max_tokens_inside_accepted_proposals(tiny_model):
             out = run_all(eng, [Request("x", p, params)])["x"]
             assert out.token_ids == want and out.finish_reason is reason
             assert out.usage.completion_tokens == len(want)
+
+
+def test_abort_and_deadline_between_speculative_steps(tiny_model):
+    """Requests that have been verifying proposals are aborted, or reach their deadline, between two steps: they
+    end with their own reason, the others' output is untouched (greedy as Hugging Face's), and every block,
+    proposals' included, comes back."""
+    import time
+
+    prompts, max_tokens = workload(n=8, seed=5)
+    max_tokens = [m + 24 for m in max_tokens]  # long enough to be cut short
+    expected = hf_greedy(tiny_model, prompts, max_tokens)
+    eng = engine(tiny_model, **SPEC)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        eng.add_request(Request(f"s{i}", p, SamplingParams(max_tokens=m, temperature=0.0),
+                                tier=Tier.INTERACTIVE if i % 2 else Tier.BATCH, deadline=time.monotonic() + 600))
+    outs: dict = {}
+    cut = {"s1": FinishReason.ABORT, "s2": FinishReason.DEADLINE}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+        live = eng.scheduler.requests
+        ready = [rid for rid in cut if rid in live and live[rid].num_spec_proposed > 0 and rid not in outs]
+        for rid in ready:  # it has been speculating: cut it now
+            if cut[rid] is FinishReason.ABORT:
+                assert eng.abort(rid)
+            else:
+                live[rid].deadline = time.monotonic() - 1.0
+            cut[rid] = (cut[rid], "done")  # type: ignore[assignment]
+    assert all(isinstance(v, tuple) for v in cut.values()), "a cut request never speculated"
+    assert outs["s1"].finish_reason is FinishReason.ABORT and outs["s2"].finish_reason is FinishReason.DEADLINE
+    for rid in ("s1", "s2"):  # what it got before the cut is the greedy prefix
+        assert outs[rid].token_ids == expected[int(rid[1:])][:len(outs[rid].token_ids)]
+        assert len(outs[rid].token_ids) < max_tokens[int(rid[1:])]
+    for i in (0, 3, 4, 5, 6, 7):
+        assert outs[f"s{i}"].token_ids == expected[i]
+    assert eng.stats.spec_accepted_tokens > 0
+    assert eng.block_manager.num_free == eng.block_manager.num_blocks
