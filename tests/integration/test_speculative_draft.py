@@ -241,8 +241,10 @@ def test_draft_method_needs_a_draft_model(tiny_model):
         engine(tiny_model, speculative_method="draft")
 
 
-def test_early_exit_on_the_default_model_is_greedy_identical(default_model):
-    """SmolLM2-135M-Instruct with its default early-exit draft (10 of 30 layers), two chat prompts."""
+def test_every_proposer_on_the_default_model_is_greedy_identical(default_model, tmp_path):
+    """SmolLM2-135M-Instruct, two chat prompts, greedy: plain decoding against each proposer: its default
+    early-exit draft (10 of 30 layers), a separate draft checkpoint (a 6-layer copy cut from it, so the same
+    tokenizer), and n-gram lookup."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model)
@@ -258,9 +260,11 @@ def test_early_exit_on_the_default_model_is_greedy_identical(default_model):
         return eng, {k: o.token_ids for k, o in outs.items()}
 
     _, plain = run()
-    spec_engine, spec = run(speculative_method="early-exit", num_speculative_tokens=3)
-    assert spec == plain
-    assert spec_engine.stats.spec_proposed_tokens > 0
+    draft_dir = truncated_copy(default_model, tmp_path / "smollm-6-layers", layers=6)
+    for method, opts in (("early-exit", {}), ("draft", {"speculative_draft_model": str(draft_dir)}), ("ngram", {})):
+        spec_engine, spec = run(speculative_method=method, num_speculative_tokens=3, **opts)
+        assert spec == plain, method
+        assert spec_engine.stats.spec_proposed_tokens > 0, method
 
 
 def test_useless_draft_stops_proposing(tiny_model):
