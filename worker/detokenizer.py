@@ -8,6 +8,9 @@ tokens and emits only what the window adds beyond its already-read part. Text is
 * the text ends with a prefix of a stop string (it might become the stop string, which is never shown).
 
 When a stop string appears, the text is truncated just before it.
+
+A NUL character (a model may emit the byte 0) becomes U+FFFD here, once: PostgreSQL cannot store NUL, and the
+streamed deltas must be a prefix of the stored result text.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class IncrementalDetokenizer:
 
     def _append(self, new: str) -> None:
         start = max(0, len(self.text) - self._hold)  # a stop string may straddle old and new text
-        self.text += new
+        self.text += new.replace("\x00", "\ufffd")
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) != -1]
         if hits:
             i, s = min(hits)  # the earliest stop string wins

@@ -74,3 +74,10 @@ def test_stop_string_spanning_tokens(tok):
     text = "Hello world! This is"
     deltas, d = stream(tok, text, stop=["o w"])
     assert "".join(deltas) == "Hell" and d.stopped == "o w"
+
+
+def test_nul_becomes_replacement_character_in_deltas_and_text(tok):
+    """PostgreSQL stores no NUL: the stored text has U+FFFD in its place, so the streamed deltas must too."""
+    deltas, d = stream(tok, "a\x00b")
+    assert tok.decode(tok.encode("a\x00b", add_special_tokens=False)) == "a\x00b"  # the model can emit it
+    assert "".join(deltas) == d.text == "a\ufffdb"
