@@ -11,7 +11,8 @@ step): a CPU model in float32 arithmetic whose every projection is in panels (th
 layout, or the quantised int8/int4 panels where the planner serves decode sizes from them), interleaved RoPE (the float32 forward's), no tensor parallelism, a float32 or bfloat16 KV cache, and a
 step of at most ``MAX_ROWS`` tokens (the GEMM planner's decode-sized bucket: above it a step's per-op costs are
 a small share, and the small ops here run on one thread): decodes, and chunks of several tokens (speculative
-proposals, short prefills) where the prefill kernel reads the cache. Anything else runs op by op.
+proposals, short prefills) where the prefill kernel reads the cache. Anything else runs op by op. Where the LM
+head is in panels too, the final norm and the head run in the same call (one fork of the team less per step).
 """
 
 
@@ -48,7 +49,8 @@ class _Args(ctypes.Structure):
                 ("kv_kind", _I), ("bs", _I), ("c_bs", _I64), ("c_ts", _I64), ("c_hs", _I64),
                 ("eps", _F), ("scale", _F), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
                 ("rot", _P), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
-                ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P)]
+                ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P),
+                ("final_norm", _P), ("head", _Proj), ("V", _I), ("R", _I), ("rows", _P), ("logits", _P)]
 
 
 def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
@@ -123,6 +125,22 @@ class DecodeStep:
         self.args = _Args(ctypes.cast(layers, _P), len(model.layers), c.hidden_size, c.num_heads, c.num_kv_heads,
                           c.head_dim, inter, ELEM[k0.dtype], k0.shape[1], *k0.stride()[:3], c.rms_norm_eps, model.scale,
                           h, qkv, attn, gu)
+        self.has_head = self._set_head(model)
+
+    def _set_head(self, model) -> bool:
+        """Point the step at the final norm and the LM head where the head is in panels (its logits then come
+        out of :meth:`run`); else the caller runs them."""
+        head = _panels(model.lm_head)
+        if head is None or model.norm.dtype != torch.float32:
+            return False
+        kind, w, scales, group = head
+        bias = _float_bias(model.lm_head.bias)
+        if bias is not None:
+            self._keep.append(bias)
+        self.args.final_norm = model.norm.data_ptr()
+        self.args.head = _Proj(w.data_ptr(), _ptr(bias), _ptr(scales), kind, group)
+        self.args.V = model.lm_head.out_features
+        return True
 
     @staticmethod
     def for_model(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeStep | None:
@@ -150,10 +168,11 @@ class DecodeStep:
         return (kv_caches is self.kv_caches and 0 < num_tokens <= MAX_ROWS and meta.seq_lens_host is not None
                 and (meta.num_decodes == meta.num_seqs or self.chunks))
 
-    def run(self, x: torch.Tensor, rot: torch.Tensor, meta) -> None:
+    def run(self, x: torch.Tensor, rot: torch.Tensor, meta, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every layer over ``x`` (float32 ``[M, H]``, dense; updated in place to the last residual stream): rot
         ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots, block tables and lengths
-        from ``meta`` (the leading decodes, then the chunks of several tokens)."""
+        from ``meta`` (the leading decodes, then the chunks of several tokens). Where :attr:`has_head`, the logits
+        (float32 ``[len(rows), vocab]``, or every row's where ``rows`` is None) too; else None."""
         assert x.dtype == torch.float32 and x.is_contiguous() and rot.is_contiguous()  # the C side's row strides
         plan = meta.cache.get("decode_step")
         if plan is None:
@@ -164,10 +183,17 @@ class DecodeStep:
         a.nd, a.bt, a.bt_ss, a.lens, a.max_len = nd, tables.data_ptr(), tables.stride(0), lens.data_ptr(), max_len
         a.np, a.p_bt, a.p_bt_ss = np_, p_tables.data_ptr(), p_tables.stride(0)
         a.p_qs, a.p_ctx, a.p_first = starts.data_ptr(), ctx.data_ptr(), self._first.data_ptr()
+        logits = None
+        if self.has_head:
+            if rows is not None:
+                rows = rows.to(torch.int64).contiguous()
+            logits = torch.empty((x.shape[0] if rows is None else rows.shape[0], a.V), dtype=torch.float32)
+            a.R, a.rows, a.logits = logits.shape[0], _ptr(rows), logits.data_ptr()
         err = self.lib.decode_step(ctypes.byref(a))
         self.steps += 1
         if err:
             raise RuntimeError(f"fused decode step failed (attention kernel code {err})")
+        return logits
 
 
 def _step_plan(meta):

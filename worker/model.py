@@ -362,8 +362,10 @@ class CausalLM:
         x = self._embed_rows(input_ids)
         residual = x
         fused = self._fused_step(kv_caches, meta, t, backend)
-        if fused is not None:  # every layer in one C call (kernels/decode_step.py)
-            fused.run(x, rot, meta)  # rot: the C RoPE's (cos, sin) rows, which the fused step needs
+        if fused is not None:  # every layer (and the head, where in panels) in one C call (kernels/decode_step.py)
+            logits = fused.run(x, rot, meta, logits_indices)  # rot: the C RoPE's (cos, sin) rows
+            if logits is not None:
+                return logits
         h = self._norm(x, self.layers[0].input_norm) if self.layers and fused is None else x
         for i, layer in enumerate(self.layers if fused is None else ()):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]

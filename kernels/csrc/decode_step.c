@@ -9,8 +9,9 @@
    functions the separate calls run (the packed GEMM tiles, rms_norm_f32, rope_interleaved_f32, silu_mul_f32,
    the decode attention kernel), in the same order, so the result is bit-identical to the op-by-op forward
    (tests/unit/test_decode_step.py). Float32 activations; float32, bfloat16 (widened), int8 or int4 weight panels
-   (kernels/csrc/quant_gemm.c); a float32 or bfloat16 KV cache. Built with those kernels' sources into one
-   library (kernels/decode_step.py). */
+   (kernels/csrc/quant_gemm.c); a float32 or bfloat16 KV cache. The final norm and the LM head run inside the
+   same region where the head is in panels too. Built with those kernels' sources into one library
+   (kernels/decode_step.py). */
 #include <stdint.h>
 #include <string.h>
 
@@ -77,6 +78,13 @@ typedef struct {
     const int32_t* p_qs;  /* [np + 1]: each chunk's first row, counted from row nd */
     const int32_t* p_ctx; /* [np]: each chunk's earlier context (its first token's position) */
     int64_t* p_first;     /* np + 1 int64 of scratch */
+    /* the head, where its weight is in panels too (else head.w is NULL and the caller runs it): the final norm
+       of rows[0..R) of x (all M rows, in order, where rows is NULL) into h, then logits [R, V] */
+    const float* final_norm;
+    step_proj head;
+    int V, R;
+    const int64_t* rows;
+    float* logits;
 } step_args;
 
 /* The new tokens' keys and values (after RoPE) into their slots, converted to the cache's element type. */
@@ -164,6 +172,14 @@ int decode_step(const step_args* a) {
         silu_mul_f32(a->gu, 2 * I, M, I);
         product(&w->down, a->gu, 2 * I, a->x, H, M, H, I, 1);
 #pragma omp barrier
+    }
+    if (a->head.w) {
+#pragma omp single
+        for (int r = 0; r < a->R; r++) {
+            const int64_t row = a->rows ? a->rows[r] : r;
+            rms_norm_f32(a->x + row * H, H, a->final_norm, a->h + (int64_t)r * H, H, 1, H, a->eps);
+        }
+        product(&a->head, a->h, H, a->logits, a->V, a->R, a->V, H, 0);
     }
     return err;
 }

@@ -40,17 +40,26 @@ def tiny_dirs(tmp_path_factory):
     }
 
 
-def packed_runner(path, **kw) -> ModelRunner:
+def _pack(lin) -> None:
+    if lin.layout != "pk":
+        lin.weight = cpu_gemm.plan(lin.w_oi, lin.bias, packed_only=True).weight
+        lin.layout, lin.forms = "pk", ("pk",) * len(lin.forms)
+
+
+def packed_runner(path, head: bool = True, **kw) -> ModelRunner:
     """A runner whose every projection is in the packed layout (the planner may keep tiny shapes in a BLAS
-    layout, which the fused step does not read)."""
+    layout, which the fused step does not read); the LM head too unless ``head`` is False (the fused step then
+    leaves the head to the caller)."""
     kw.setdefault("kv_cache_bytes", 1 << 20)
     runner = ModelRunner(path, block_size=BLOCK, device="cpu", **kw)
     for layer in runner.model.layers:
         for name in ("qkv", "o", "gate_up", "down"):
-            lin = getattr(layer, name)
-            if lin.layout != "pk":
-                lin.weight = cpu_gemm.plan(lin.w_oi, lin.bias, packed_only=True).weight
-                lin.layout, lin.forms = "pk", ("pk",) * len(lin.forms)
+            _pack(getattr(layer, name))
+    lm_head = runner.model.lm_head
+    if head:
+        _pack(lm_head)
+    elif lm_head.layout == "pk":  # a plain [out, in] weight through torch's matmul
+        lm_head.weight, lm_head.layout, lm_head.forms = lm_head.w_oi.contiguous(), "oi", ("xw",) * len(lm_head.forms)
     runner.model.use_decode_step(True)
     return runner
 
@@ -91,6 +100,7 @@ def fused_and_op_by_op(path, prompts, steps=5, **kw):
     model.use_decode_step(True)
     fused = decode_logits(runner, prompts, steps)
     assert model._decode_step is not None and model._decode_step.steps >= steps
+    assert model._decode_step.has_head == kw.get("head", True)
     return plain, fused
 
 
@@ -100,9 +110,10 @@ def prompts(n, vocab=200, seed=1):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("batch", [1, 3, 16])
-def test_fused_step_is_bit_identical_to_the_op_by_op_forward(tiny_dirs, arch, batch):
-    plain, fused = fused_and_op_by_op(tiny_dirs[arch], prompts(batch, seed=batch))
+@pytest.mark.parametrize("batch,head", [(1, True), (3, True), (16, True), (1, False), (3, False)])
+def test_fused_step_is_bit_identical_to_the_op_by_op_forward(tiny_dirs, arch, batch, head):
+    """head: the final norm and the LM head inside the fused call (the head in panels), or after it."""
+    plain, fused = fused_and_op_by_op(tiny_dirs[arch], prompts(batch, seed=batch), head=head)
     for step, (a, b) in enumerate(zip(plain, fused, strict=True)):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y), f"step {step}: max diff {(x - y).abs().max()}"
