@@ -47,7 +47,7 @@ class _Layer(ctypes.Structure):
 class _Args(ctypes.Structure):
     _fields_ = [("layers", _P), ("L", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("inter", _I),
                 ("kv_kind", _I), ("bs", _I), ("c_bs", _I64), ("c_ts", _I64), ("c_hs", _I64),
-                ("eps", _F), ("scale", _F), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
+                ("eps", _F), ("scale", _F), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
                 ("rot", _P), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
                 ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P),
                 ("final_norm", _P), ("head", _Proj), ("V", _I), ("R", _I), ("rows", _P), ("logits", _P)]
@@ -118,13 +118,13 @@ class DecodeStep:
         k0 = kv_caches[0][0]
         inter = model.layers[0].gate_up.out_features // 2
         nq, nqkv = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self._scratch = [torch.empty((MAX_ROWS, n), dtype=torch.float32) for n in (c.hidden_size, nqkv, nq, 2 * inter)]
-        h, qkv, attn, gu = (t.data_ptr() for t in self._scratch)
+        self._scratch = [torch.empty((MAX_ROWS, n), dtype=torch.float32) for n in (nqkv, nq, 2 * inter)]
+        qkv, attn, gu = (t.data_ptr() for t in self._scratch)
         self._first = torch.empty(MAX_ROWS + 1, dtype=torch.int64)  # the prefill kernel's item offsets
         self.chunks = cpu_attention.supports_prefill(torch.empty((1, c.num_heads, c.head_dim)), k0)
         self.args = _Args(ctypes.cast(layers, _P), len(model.layers), c.hidden_size, c.num_heads, c.num_kv_heads,
                           c.head_dim, inter, ELEM[k0.dtype], k0.shape[1], *k0.stride()[:3], c.rms_norm_eps, model.scale,
-                          h, qkv, attn, gu)
+                          qkv, attn, gu)
         self.has_head = self._set_head(model)
 
     def _set_head(self, model) -> bool:
@@ -192,7 +192,7 @@ class DecodeStep:
         err = self.lib.decode_step(ctypes.byref(a))
         self.steps += 1
         if err:
-            raise RuntimeError(f"fused decode step failed (attention kernel code {err})")
+            raise RuntimeError(f"fused decode step failed (code {err}: 1 a shape the attention kernel does not take, 2 out of memory)")
         return logits
 
 

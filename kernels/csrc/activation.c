@@ -9,10 +9,13 @@
 
 static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
 
-void silu_mul_f32(float* gu, int64_t rs, int T, int inter) {
+/* gate (the first inter values of each row of gu, row stride rs) -> out (row stride os): silu(gate) * up. out may
+   be gu itself (in place) or another buffer (the fused decode step's per-thread rows), with the same results. */
+void silu_mul_to_f32(const float* gu, int64_t rs, float* out, int64_t os, int T, int inter) {
     for (int t = 0; t < T; t++) {
-        float* g = gu + (int64_t)t * rs;
+        const float* g = gu + (int64_t)t * rs;
         const float* u = g + inter;
+        float* o = out + (int64_t)t * os;
         int i = 0;
 #if INFERQ_HAVE_AVX2
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
@@ -22,12 +25,14 @@ void silu_mul_f32(float* gu, int64_t rs, int T, int inter) {
             const __m256 d = _mm256_add_ps(one, e);
             const __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
             const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), d);
-            _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
         }
 #endif
-        for (; i < inter; i++) g[i] = silu1(g[i]) * u[i];
+        for (; i < inter; i++) o[i] = silu1(g[i]) * u[i];
     }
 }
+
+void silu_mul_f32(float* gu, int64_t rs, int T, int inter) { silu_mul_to_f32(gu, rs, gu, rs, T, inter); }
 
 /* The same on bfloat16 rows: float32 arithmetic, one rounding of each result. */
 void silu_mul_bf16(uint16_t* gu, int64_t rs, int T, int inter) {

@@ -13,6 +13,7 @@
    same region where the head is in panels too. Built with those kernels' sources into one library
    (kernels/decode_step.py). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -31,7 +32,7 @@ int prefill_team(int kind, const float* q, int64_t q_ts, int64_t q_hs, const voi
                  int64_t* first);
 void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps);
 void rope_interleaved_f32(float* x, int64_t xs, const float* rot, int64_t rs, int T, int heads, int half);
-void silu_mul_f32(float* gu, int64_t rs, int T, int inter);
+void silu_mul_to_f32(const float* gu, int64_t rs, float* out, int64_t os, int T, int inter);
 
 /* One projection's weight in panels of 16 output columns: float32 or bfloat16 ([ceil(N/16), K, 16],
    kernels/packed_gemm.py), or int8 / int4 codes with their scales (kernels/quant_panels.py). */
@@ -60,7 +61,7 @@ typedef struct {
     int bs;
     int64_t c_bs, c_ts, c_hs; /* cache strides in elements */
     float eps, scale;
-    float *h, *qkv, *attn, *gu; /* scratch rows: [M, H], [M, (Hq + 2 Hkv) D], [M, Hq D], [M, 2 inter] */
+    float *qkv, *attn, *gu; /* scratch rows: [M, (Hq + 2 Hkv) D], [M, Hq D], [M, 2 inter] */
     float* x;                   /* [M, H]: the step's tokens embedded in, the last layer's residual stream out */
     int M;
     const float* rot;     /* [M, D/2, 2]: cos and sin of each token's position per frequency */
@@ -79,7 +80,7 @@ typedef struct {
     const int32_t* p_ctx; /* [np]: each chunk's earlier context (its first token's position) */
     int64_t* p_first;     /* np + 1 int64 of scratch */
     /* the head, where its weight is in panels too (else head.w is NULL and the caller runs it): the final norm
-       of rows[0..R) of x (all M rows, in order, where rows is NULL) into h, then logits [R, V] */
+       of rows[0..R) of x (all M rows, in order, where rows is NULL), then logits [R, V] */
     const float* final_norm;
     step_proj head;
     int V, R;
@@ -140,46 +141,52 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
 }
 
 /* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared
-   over the team (no barrier of its own); a barrier follows before its output is read. A small op on M rows
-   runs on one thread (omp single, whose end is a barrier). Returns 0, or the attention kernel's error code. */
+   over the team (no barrier of its own); a barrier follows before its output is read. The norms and SwiGLU, a
+   few rows each, are computed by every thread into rows of its own (the same values: no barrier needed after
+   them, three fewer per layer); RoPE and the cache write run on one thread (omp single, whose end is a barrier).
+   Returns 0, the attention kernel's error code, or 2 where a thread's rows could not be allocated. */
 int decode_step(const step_args* a) {
     const int M = a->M, H = a->H, D = a->D, I = a->inter, nq = a->Hq * D, nqkv = (a->Hq + 2 * a->Hkv) * D;
     int err = 0;
 #pragma omp parallel
-    for (int l = 0; l < a->L; l++) {
-        const step_layer* w = a->layers + l;
-#pragma omp single
-        rms_norm_f32(a->x, H, w->input_norm, a->h, H, M, H, a->eps);
-        product(&w->qkv, a->h, H, a->qkv, nqkv, M, nqkv, H, 0);
+    {
+        float* h = (float*)malloc(sizeof(float) * (size_t)M * (size_t)(H > I ? H : I)); /* norm or SwiGLU rows */
+        int ok = h != NULL;
+#pragma omp atomic update
+        err |= ok ? 0 : 2;
+#pragma omp barrier
+        for (int l = 0; l < a->L && !err; l++) { /* err is read by all after a barrier: the same in every thread */
+            const step_layer* w = a->layers + l;
+            rms_norm_f32(a->x, H, w->input_norm, h, H, M, H, a->eps);
+            product(&w->qkv, h, H, a->qkv, nqkv, M, nqkv, H, 0);
 #pragma omp barrier
 #pragma omp single
-        {
-            rope_interleaved_f32(a->qkv, nqkv, a->rot, D, M, a->Hq + a->Hkv, D / 2);
-            write_kv(a, w);
-        }
-        const int e = attend(a, w); /* ends with the team's barrier */
-        if (e) {
+            {
+                rope_interleaved_f32(a->qkv, nqkv, a->rot, D, M, a->Hq + a->Hkv, D / 2);
+                write_kv(a, w);
+            }
+            const int e = attend(a, w); /* ends with the team's barrier */
+            if (e) {
 #pragma omp atomic write
-            err = e;
+                err = e;
+            }
+            product(&w->o, a->attn, nq, a->x, H, M, H, nq, 1);
+#pragma omp barrier
+            rms_norm_f32(a->x, H, w->post_norm, h, H, M, H, a->eps);
+            product(&w->gate_up, h, H, a->gu, 2 * I, M, 2 * I, H, 0);
+#pragma omp barrier
+            silu_mul_to_f32(a->gu, 2 * I, h, I, M, I);
+            product(&w->down, h, I, a->x, H, M, H, I, 1);
+#pragma omp barrier
         }
-        product(&w->o, a->attn, nq, a->x, H, M, H, nq, 1);
-#pragma omp barrier
-#pragma omp single
-        rms_norm_f32(a->x, H, w->post_norm, a->h, H, M, H, a->eps);
-        product(&w->gate_up, a->h, H, a->gu, 2 * I, M, 2 * I, H, 0);
-#pragma omp barrier
-#pragma omp single
-        silu_mul_f32(a->gu, 2 * I, M, I);
-        product(&w->down, a->gu, 2 * I, a->x, H, M, H, I, 1);
-#pragma omp barrier
-    }
-    if (a->head.w) {
-#pragma omp single
-        for (int r = 0; r < a->R; r++) {
-            const int64_t row = a->rows ? a->rows[r] : r;
-            rms_norm_f32(a->x + row * H, H, a->final_norm, a->h + (int64_t)r * H, H, 1, H, a->eps);
+        if (a->head.w && !err) {
+            for (int r = 0; r < a->R; r++) {
+                const int64_t row = a->rows ? a->rows[r] : r;
+                rms_norm_f32(a->x + row * H, H, a->final_norm, h + (int64_t)r * H, H, 1, H, a->eps);
+            }
+            product(&a->head, h, H, a->logits, a->V, a->R, a->V, H, 0);
         }
-        product(&a->head, a->h, H, a->logits, a->V, a->R, a->V, H, 0);
+        free(h);
     }
     return err;
 }
