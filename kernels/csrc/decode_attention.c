@@ -575,6 +575,9 @@ static int vector_heads_per_item(const decode_args* a, int threads) {
 #define MAX_PARTS 16
 
 static int context_parts(const decode_args* a, int items, int threads) {
+#ifdef INFERQ_NO_CONTEXT_SPLIT /* the before, for side-by-side timings */
+    return 1;
+#endif
     if (items >= 2 * threads) return 1;
     int p = (2 * threads + items - 1) / items;
     if (p > a->max_len / MIN_PART) p = a->max_len / MIN_PART;
@@ -724,7 +727,7 @@ int decode_f32(const float* q, int64_t q_ss, int64_t q_hs, const float* kc, cons
                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
+                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
     return decode(ELEM_F32, &a);
 }
 
@@ -732,7 +735,7 @@ int decode_bf16(const float* q, int64_t q_ss, int64_t q_hs, const uint16_t* kc, 
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                 int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
+                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
     return decode(ELEM_BF16, &a);
 }
 
@@ -740,7 +743,7 @@ int decode_i8(const float* q, int64_t q_ss, int64_t q_hs, const int8_t* kc, cons
               int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
               int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
+                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
     return decode(ELEM_I8, &a);
 }
 
@@ -750,6 +753,6 @@ int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                 int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
+                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
     return decode_share(kind, &a, omp_get_num_threads());
 }
