@@ -4,9 +4,16 @@ The forms are torch's own CPU kernels (maintained, vectorised, AMX/VNNI where th
 
 - ``w8a16`` (int8): ``aten._weight_int8pack_mm``: bfloat16 rows times int8 weights, per-channel scales;
   weight-only, so its error is the weight's alone. Fastest at decode sizes.
-- ``w8a8`` (int8): activations quantised per token on the fly (symmetric, one scale per row), then
-  ``torch._int_mm`` (int8 x int8 -> int32 with the CPU's integer dot products: AVX512-VNNI / AMX) and one
-  rescale. Fastest at prefill sizes, measured 2-4x float32 there on an AVX512-VNNI Xeon.
+- ``w8a8`` (int8): int8 activations quantised on the fly. Where our kernel builds (:mod:`kernels.w8a8_panels`,
+  ``csrc/w8a8_gemm.c``) and K is a multiple of 32: in blocks of 32 inputs, each block with its own scale
+  (llama.cpp's Q8_0 activations: an outlier channel coarsens only its own block), integer dot products (AVX2
+  sign trick, VNNI where built), the weight in its own panels packed at load. Otherwise torch's per-token form:
+  one scale per row, then ``torch._int_mm`` (AVX512-VNNI / AMX) and one rescale, measured 2-4x float32 at
+  prefill sizes on an AVX512-VNNI Xeon but several times the KL of the block form on SmolLM2.
+- ``w8a8w`` (int8): the same block-32 product, bit for bit, from int16 copies of the codes (``vpmaddwd``, twice
+  the weight's bytes): a candidate on AVX2 CPUs without VNNI, where the int8 sign trick's three instructions per
+  32 multiply-adds share two pipes (:func:`kernels.w8a8_panels.default_wide`) and the int16 form is faster at
+  prefill sizes; the int8 one stays faster at decode sizes (half the bytes).
 - ``w4`` (int4): ``aten._weight_int4pack_mm_for_cpu``: bfloat16 rows, 4-bit weights unpacked in registers,
   group-wise scales and zero points.
 - ``w4dq`` / ``w8dq``: the weight de-quantised to bfloat16 for the call, then one bfloat16 GEMM (oneDNN,
@@ -35,13 +42,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_panels
+from kernels import quant_panels, w8a8_panels
 from kernels.cpu_gemm import BUCKET_LIMITS, MAX_PROBE_FLOP, PROBE_M, SCRATCH_BYTES, _bucket
 from kernels.quant import QuantizedWeight
 
-FORMS = {"int8": ("w8a16", "w8dq", "w8a8", "panels"), "int4": ("w4", "w4dq", "panels")}
-# Per-token int8 activations lose the few outlier channels LLM hidden states carry (measured by ``bench
-# quality``: several times the KL of weight-only int8 on SmolLM2), so ``w8a8`` is a candidate only when asked for.
+FORMS = {"int8": ("w8a16", "w8dq", "w8a8", "w8a8w", "panels"), "int4": ("w4", "w4dq", "panels")}
+# int8 activations cost accuracy (per-token ones lose the few outlier channels LLM hidden states carry: several
+# times the KL of weight-only int8 on SmolLM2 in ``bench quality``; the 32-blocks of our kernel much less), so
+# ``w8a8`` is a candidate only when asked for.
 WEIGHT_ONLY = {"int8": ("w8a16", "w8dq", "panels"), "int4": ("w4", "w4dq", "panels")}
 # Panels that win the decode bucket serve every bucket (one copy of the weight) when no other form is faster by
 # more than this in any bucket
@@ -89,7 +97,16 @@ class QuantLinear:
         self.panels: quant_panels.Panels | None = None
         if "panels" in self.forms:
             self.panels = quant_panels.pack(q, huge=self.huge)
-        torch_forms = set(self.forms) - {"panels"}
+        # w8a8 / w8a8w in our block-32 kernel where it builds and K is a multiple of 32 (else both are torch's
+        # per-token form)
+        self.a8: w8a8_panels.Panels | None = None
+        self.a8w: w8a8_panels.Panels | None = None
+        ours = q.fmt == "int8" and w8a8_panels.supports(q.shape[1]) and w8a8_panels.available()
+        if ours and "w8a8" in self.forms:
+            self.a8 = w8a8_panels.pack(q, wide=False)
+        if ours and "w8a8w" in self.forms:
+            self.a8w = w8a8_panels.pack(q, wide=True)
+        torch_forms = set(self.forms) - {"panels"} - ({"w8a8", "w8a8w"} if ours else set())
         if q.fmt == "int8":
             self._state["scale_bf16"] = q.scale.to(torch.bfloat16)
             self._state["codes_t"] = q.codes.t()  # ``_int_mm``'s [in, out] operand, a view of the same codes
@@ -97,7 +114,7 @@ class QuantLinear:
             self._state["packed"], self._state["sz"] = _int4_packed(q)
         # drop the unpacked codes where no product reads them: int8's are what w8a16/w8dq/w8a8 read, and the
         # panels' own rows serve an int8 table; int4's are read by w4dq and by a tied table's rows
-        needed = bool(torch_forms) if q.fmt == "int8" else bool(torch_forms & {"w4dq"}) or self.keep_rows
+        needed = (bool(torch_forms) or self.keep_rows and self.panels is None) if q.fmt == "int8" else bool(torch_forms & {"w4dq"}) or self.keep_rows
         if not needed:
             self.weight = QuantizedWeight(q.fmt, q.codes[:0], q.scale, q.zero, q.group_size)
         self._out = int(q.scale.shape[0])
@@ -110,6 +127,8 @@ class QuantLinear:
     def nbytes(self) -> int:
         """Bytes of everything kept: codes and scales, torch's int4 copy, the panels."""
         n = self.weight.nbytes if self.weight.codes.numel() else 0
+        for a8 in (self.a8, self.a8w):
+            n += a8.nbytes if a8 is not None else 0
         if "packed" in self._state:
             n += self._state["packed"].numel() * self._state["packed"].element_size() + self._state["sz"].numel() * 2
         return n + (self.panels.nbytes if self.panels is not None else 0)
@@ -128,6 +147,10 @@ class QuantLinear:
         return ((g - 8.0) * q.scale.index_select(0, ids)[..., None]
                 + q.zero.index_select(0, ids)[..., None]).view(n, k)
 
+    def _a8(self, form: str) -> w8a8_panels.Panels | None:
+        """Our block-32 panels serving ``form`` (None: not a w8a8 form, or torch's per-token product serves it)."""
+        return self.a8 if form == "w8a8" else self.a8w if form == "w8a8w" else None
+
     def _product(self, x: torch.Tensor, form: str) -> torch.Tensor:
         s = self._state
         if form == "panels":
@@ -135,7 +158,10 @@ class QuantLinear:
             return quant_panels.matmul(x, self.panels)
         if form == "w8a16":
             return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight.codes, s["scale_bf16"])
-        if form == "w8a8":
+        a8 = self._a8(form)
+        if a8 is not None:
+            return w8a8_panels.matmul(x, a8)
+        if form in ("w8a8", "w8a8w"):
             xf = x.float()
             amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
             xq = torch.round(xf * (127.0 / amax)).to(torch.int8)
@@ -156,6 +182,10 @@ class QuantLinear:
             assert self.panels is not None
             y = quant_panels.matmul(x, self.panels, self.bias)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
+        a8 = self._a8(form)
+        if a8 is not None:
+            y = w8a8_panels.matmul(x, a8, self.bias)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         y = self._product(x, form).to(x.dtype)
         return y.add_(self.bias) if self.bias is not None else y
 
@@ -164,6 +194,9 @@ class QuantLinear:
         if (self.forms[_bucket(x.shape[0])] == "panels" and out.dtype == torch.float32 and out.stride(-1) == 1
                 and self.panels is not None):
             return quant_panels.matmul(x, self.panels, self.bias, out=out)
+        a8 = self._a8(self.forms[_bucket(x.shape[0])])
+        if a8 is not None and out.dtype == torch.float32 and out.stride(-1) == 1:
+            return w8a8_panels.matmul(x, a8, self.bias, out=out)
         return out.add_(self(x))
 
 
@@ -191,7 +224,7 @@ def _measure(q: QuantizedWeight, forms: tuple[str, ...]) -> tuple[str, ...]:
                     t = time.perf_counter()
                     lins[f](x)
                     best[f, i] = min(best[f, i], time.perf_counter() - t)
-    chosen = tuple(min(forms, key=lambda f, i=i: best[f, i] * (PANELS_BIAS if f == "panels" else 1.0))
+    chosen = tuple(min(_bucket_forms(forms, i), key=lambda f, i=i: best[f, i] * (PANELS_BIAS if f == "panels" else 1.0))
                    for i in range(len(xs)))
     if "panels" in forms and chosen[0] == "panels" and all(
             best["panels", i] <= KEEP_ONE_MARGIN * best[chosen[i], i] for i in range(len(xs))):
@@ -199,11 +232,23 @@ def _measure(q: QuantizedWeight, forms: tuple[str, ...]) -> tuple[str, ...]:
     return chosen + chosen[-1:] * (len(BUCKET_LIMITS) + 1 - len(chosen))
 
 
+def _bucket_forms(forms: tuple[str, ...], bucket: int) -> tuple[str, ...]:
+    """The forms bucket ``bucket`` may choose: at decode sizes (bucket 0) not the int8-activation ones where the
+    panels are a candidate, because the fused decode step (kernels/decode_step.py) multiplies float-activation
+    panels only, and running a step's layers in one call is worth more there (1.23x a whole step, float32,
+    docs/BENCHMARKS.md) than a product's own difference at one to sixteen rows."""
+    if bucket or "panels" not in forms:
+        return forms
+    return tuple(f for f in forms if f not in ("w8a8", "w8a8w"))
+
+
 def candidates(fmt: str, int8_activations: bool = False) -> tuple[str, ...]:
     """The forms :func:`plan` times for ``fmt``: torch's (W8A8 only when asked for) and, where the kernel
     builds, the panels."""
     forms = FORMS[fmt] if int8_activations else WEIGHT_ONLY[fmt]
-    return forms if quant_panels.available() else tuple(f for f in forms if f != "panels")
+    # the int16 w8a8 copy only where it can beat the int8 one (AVX2 without VNNI) and our kernel builds
+    wide = w8a8_panels.available() and w8a8_panels.default_wide()
+    return tuple(f for f in forms if (f != "panels" or quant_panels.available()) and (f != "w8a8w" or wide))
 
 
 def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: bool = False,
