@@ -49,6 +49,8 @@ KEEPALIVE_SECONDS = 15.0
 FINAL_WAIT_SECONDS = 3.0  # after a stream `final`, how long to wait for PostgreSQL to show the job terminal
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
 EVENT_NAMES = ("delta", "reset", "final", "error")
+KEEPALIVE = ": keepalive\n\n"
+Item = tuple[str | None, dict[str, Any] | None, str | None]  # (event, data, id); (None, None, None): keep-alive
 
 
 def sse_response_doc(description: str, events: tuple[str, ...] | None = EVENT_NAMES) -> dict[str, Any]:
@@ -110,7 +112,7 @@ class LimitedStreamingResponse(StreamingResponse):
 
 
 # the headers are sent already when these happen: end the stream with an error event, not a traceback
-_OUTAGES = (redis_exc.RedisError, sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
+STREAM_OUTAGES = (redis_exc.RedisError, sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
 
 
 async def guarded(events: AsyncIterator[str], job_id: str) -> AsyncIterator[str]:
@@ -118,10 +120,15 @@ async def guarded(events: AsyncIterator[str], job_id: str) -> AsyncIterator[str]
     try:
         async for chunk in events:
             yield chunk
-    except _OUTAGES as exc:
-        what = "redis" if isinstance(exc, redis_exc.RedisError) else "database"
-        log.warning("event stream aborted", job_id=job_id, error=first_line(exc))
-        yield sse("error", error_body("unavailable", f"{what} unavailable: {first_line(exc)}"))
+    except STREAM_OUTAGES as exc:
+        yield sse("error", outage_body(exc, job_id))
+
+
+def outage_body(exc: BaseException, job_id: str) -> dict[str, Any]:
+    """The ``error`` event's data for a Redis or PostgreSQL failure mid-stream (logged here)."""
+    what = "redis" if isinstance(exc, redis_exc.RedisError) else "database"
+    log.warning("event stream aborted", job_id=job_id, error=first_line(exc))
+    return error_body("unavailable", f"{what} unavailable: {first_line(exc)}")
 
 
 def sse(event: str, data: dict[str, Any], id_: str | None = None) -> str:
@@ -172,6 +179,14 @@ def resume_from(last_event_id: str | None) -> str:
 async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[[], dict[str, Any] | None],
                      last_event_id: str | None = None) -> AsyncIterator[str]:
     """The SSE stream. ``load_view`` (sync, run in a thread) returns the job's GET view from PostgreSQL."""
+    async for name, data, id_ in job_event_items(aredis, prefix, job_id, load_view, last_event_id):
+        yield KEEPALIVE if name is None else sse(name, data or {}, id_)
+
+
+async def job_event_items(aredis: Any, prefix: str, job_id: str, load_view: Callable[[], dict[str, Any] | None],
+                          last_event_id: str | None = None) -> AsyncIterator[Item]:
+    """``job_events`` as ``(event, data, id)`` before SSE formatting: the OpenAI routes re-frame each event,
+    so they take it unformatted (no JSON written here only to be parsed back, per token)."""
     key = events_key(prefix, job_id)
     last = resume_from(last_event_id)
     sent_delta = last != "0-0"
@@ -184,8 +199,8 @@ async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[
             return
         if view["status"] in TERMINAL_STATUSES and not await aredis.exists(key):
             if view.get("text"):
-                yield sse("delta", {"text": view["text"]}, "text")
-            yield sse("final", view, "final")
+                yield "delta", {"text": view["text"]}, "text"
+            yield "final", view, "final"
             return
     while True:
         resp = await aredis.xread({key: last}, count=256, block=BLOCK_MS)
@@ -195,12 +210,12 @@ async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[
                 f = decode_fields(raw)
                 kind = f["kind"]
                 if kind in ("done", "final"):
-                    yield sse("final", await _final_view(load_view, f), "final")
+                    yield "final", await _final_view(load_view, f), "final"
                     return
-                for name, chunk in _text_events(attempts, kind, f, last):
-                    sent_delta = name == "delta"  # after a reset the client holds no text
+                for item in _text_events(attempts, kind, f, last):
+                    sent_delta = item[0] == "delta"  # after a reset the client holds no text
                     last_output = time.monotonic()
-                    yield chunk
+                    yield item
             continue
         now = time.monotonic()
         if now >= next_db_check:
@@ -214,25 +229,24 @@ async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[
                 if tail:
                     continue
                 if not sent_delta and view.get("text"):
-                    yield sse("delta", {"text": view["text"]}, "text")
-                yield sse("final", view, "final")
+                    yield "delta", {"text": view["text"]}, "text"
+                yield "final", view, "final"
                 return
         if now - last_output >= KEEPALIVE_SECONDS:
             last_output = now
-            yield ": keepalive\n\n"
+            yield None, None, None
 
 
-def _text_events(attempts: AttemptFilter, kind: str, fields: dict[str, Any],
-                 entry_id: str) -> list[tuple[str, str]]:
-    """``(name, SSE text)`` of the events for one stream entry: a ``reset`` when a new attempt starts, then
-    the delta's text unless it belongs to an older attempt."""
+def _text_events(attempts: AttemptFilter, kind: str, fields: dict[str, Any], entry_id: str) -> list[Item]:
+    """The events for one stream entry: a ``reset`` when a new attempt starts, then the delta's text unless it
+    belongs to an older attempt."""
     verdict = attempts.see(kind, fields.get("attempt"))
-    out = []
+    out: list[Item] = []
     if verdict == "reset":
-        out.append(("reset", sse("reset", {"attempt": attempts.attempt}, entry_id)))
+        out.append(("reset", {"attempt": attempts.attempt}, entry_id))
     text = fields.get("text", "") if kind == "delta" and verdict != "drop" else ""
     if text:
-        out.append(("delta", sse("delta", {"text": text}, entry_id)))
+        out.append(("delta", {"text": text}, entry_id))
     return out
 
 

@@ -22,7 +22,13 @@ from starlette.concurrency import run_in_threadpool
 from api import openai_schemas as oa
 from api.auth import Principal, require_key
 from api.errors import ApiError
-from api.events import LimitedStreamingResponse, guarded, job_events, sse_response_doc
+from api.events import (
+    STREAM_OUTAGES,
+    LimitedStreamingResponse,
+    job_event_items,
+    outage_body,
+    sse_response_doc,
+)
 from api.metrics import SUBMITTED
 from api.openai_route import OpenAIRoute
 from api.views import get_job_view
@@ -116,9 +122,14 @@ class _Follow:
             return get_job_view(s, self.job_id, self.tenant_id)
 
     async def events(self) -> AsyncIterator[tuple[str | None, dict[str, Any] | None]]:
-        raw = job_events(self.state.async_redis(), self.state.settings.stream_prefix, self.job_id, self.load_view)
-        async for chunk in guarded(raw, self.job_id):
-            yield _parse_sse(chunk)
+        """``(event, data)``; ``(None, None)`` for a keep-alive; one ``error`` ends it on an outage."""
+        items = job_event_items(self.state.async_redis(), self.state.settings.stream_prefix, self.job_id,
+                                self.load_view)
+        try:
+            async for event, data, _ in items:
+                yield event, data
+        except STREAM_OUTAGES as exc:
+            yield "error", outage_body(exc, self.job_id)
 
     def cancel_soon(self) -> None:
         """Cancel the job from a worker thread (callable from a closing generator, which must not await)."""
@@ -254,17 +265,6 @@ def _error(exc: oa.OpenAIError) -> JSONResponse:
 
 def _data(obj: dict[str, Any]) -> str:
     return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
-
-
-def _parse_sse(chunk: str) -> tuple[str | None, dict[str, Any] | None]:
-    """``(event, data)`` of one event as ``api.events.sse`` writes it; ``(None, None)`` for a keep-alive."""
-    event = data = None
-    for line in chunk.splitlines():
-        if line.startswith("event: "):
-            event = line[len("event: "):]
-        elif line.startswith("data: "):
-            data = json.loads(line[len("data: "):])
-    return event, data
 
 
 async def _json_body(request: Request) -> Any:

@@ -2,7 +2,9 @@
 the engine's, taken from the engine (its URL and connect arguments) and disposed with it.
 
 Apart, because the engine's pool pings every connection it hands out (a round trip as costly as the
-submission's statement); this one pings only after ``PING_AFTER_SECONDS`` idle. SQLAlchemy's pool rather
+submission's statement); this one pings only when the server has said something since the connection went
+idle (its socket is readable: a terminated backend's error, a restart's EOF) or after ``PING_AFTER_SECONDS``
+idle, so a submission at idle pays no round trip for it. SQLAlchemy's pool rather
 than ``psycopg_pool``, because it connects in the caller's thread: an unreachable database fails the
 submission at once with the driver's reason (503), and the first submission after an outage reconnects,
 where ``psycopg_pool``'s background connector makes callers wait out its timeout and reconnection back-off.
@@ -10,6 +12,7 @@ where ``psycopg_pool``'s background connector makes callers wait out its timeout
 
 from __future__ import annotations
 
+import select
 import time
 import weakref
 from typing import Any
@@ -19,7 +22,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
-PING_AFTER_SECONDS = 2.0
+PING_AFTER_SECONDS = 30.0
 _RETURNED = "inferq_returned"  # connection info key: time.monotonic() of the last check-in
 
 
@@ -72,9 +75,20 @@ def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
     if dbapi_conn.closed or dbapi_conn.broken:
         raise sa_exc.DisconnectionError("connection closed")
     returned = record.info.get(_RETURNED)  # None: a fresh connection
-    if returned is not None and time.monotonic() - returned > PING_AFTER_SECONDS:
+    if returned is not None and (time.monotonic() - returned > PING_AFTER_SECONDS or _readable(dbapi_conn)):
         try:
             dbapi_conn.execute("SELECT 1").fetchone()
             dbapi_conn.rollback()
         except Exception as exc:  # noqa: BLE001 - a dead connection: the pool takes another
             raise sa_exc.DisconnectionError(str(exc)) from exc
+
+
+def _readable(conn: Any) -> bool:
+    """Whether an idle connection's socket has input: nothing is owed to an idle client, so this is the server
+    closing it (or a notice); the ping then finds out. No round trip."""
+    try:
+        poller = select.poll()
+        poller.register(conn.pgconn.socket, select.POLLIN)
+        return bool(poller.poll(0))
+    except Exception:  # noqa: BLE001 - no usable socket: the ping finds out why
+        return True

@@ -313,9 +313,10 @@ def _recount_and_admit(conn: Any, adm: Admission, sub: _Submission) -> _Existing
     adm.adjust_tier(sub.body.tier, 1)  # counted like a reservation: given back if not admitted
     sub.params.update(mark=bound.mark, queued=bound.queued, tokens=bound.tokens, ledger_from=bound.ledger_from,
                       tier_queued=int(tier_queued))
-    result = conn.execute(_PG_ADMIT, sub.params).fetchone()
-    conn.commit()
-    return bound, result
+    with conn.pipeline():  # the insert and its commit in one round trip
+        cur = conn.execute(_PG_ADMIT, sub.params)
+        conn.commit()
+    return bound, cur.fetchone()
 
 
 def _admitted(adm: Admission, sub: _Submission, bound: TenantBound, result: Any) -> Job:
