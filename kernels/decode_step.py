@@ -66,7 +66,6 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     lib.decode_step.restype = _I
     lib.set_generic.argtypes = [_I]
     lib.set_avx512.argtypes = [_I]
-    lib.set_prefetch.argtypes = [_I]
     return lib
 
 

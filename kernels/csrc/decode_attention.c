@@ -34,7 +34,6 @@ typedef struct {
     int64_t o_ss, o_hs;
     int S, Hq, Hkv, D, max_len;
     float scale;
-    float* lse; /* or NULL; else [S, Hq]: each head's log-sum-exp of scores, for merging context parts */
 } decode_args;
 
 static int use_avx512 = 1;    /* the AVX-512 items where built; set_avx512(0) keeps the AVX2 ones */
@@ -188,15 +187,10 @@ static void softmax_rows(float* sc, int nh, int lpad, const __m256* mx, float* i
     }
 }
 
-/* out row of query head h * G + g = acc row j / its softmax sum, for the item's nh query heads; where lse is
-   asked for, each head's max score plus the log of its sum too */
-static void store_output(const decode_args* a, int s, int h0, int nh, const float* acc, const float* inv,
-                         const __m256* mx) {
+/* out row of query head h * G + g = acc row j / its softmax sum, for the item's nh query heads */
+static void store_output(const decode_args* a, int s, int h0, int nh, const float* acc, const float* inv) {
     const int ND = a->D / 8;
     float* out = a->out + s * a->o_ss + (int64_t)h0 * (a->Hq / a->Hkv) * a->o_hs;
-    if (a->lse)
-        for (int j = 0; j < nh; j++)
-            a->lse[(int64_t)s * a->Hq + h0 * (a->Hq / a->Hkv) + j] = _mm256_cvtss_f32(hmax8(mx[j])) - logf(inv[j]);
     for (int j = 0; j < nh; j++) {
         const __m256 sv = _mm256_set1_ps(inv[j]);
         float* o = out + (int64_t)j * a->o_hs;
@@ -321,7 +315,7 @@ ALWAYS_INLINE void item_avx2(const int KIND, const decode_args* a, int s, int h0
     softmax_rows(sc, nh, lpad, mx, inv);
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
     vsum_avx2(KIND, a, bt, len, h0, h1, sc, acc);
-    store_output(a, s, h0, nh, acc, inv, mx);
+    store_output(a, s, h0, nh, acc, inv);
 }
 
 static void item_avx2_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
@@ -522,7 +516,7 @@ ALWAYS_INLINE void item512(const int KIND, const decode_args* a, int s, int h0, 
     softmax_rows(sc, nh, lpad, mx, inv);
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
     vsum512_item(KIND, a, bt, len, h0, h1, sc, acc);
-    store_output(a, s, h0, nh, acc, inv, mx);
+    store_output(a, s, h0, nh, acc, inv);
 }
 
 static void item512_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
@@ -568,86 +562,8 @@ static int vector_heads_per_item(const decode_args* a, int threads) {
     return per * G > MAX_HEADS ? 0 : per;
 }
 
-/* Context parts: with fewer items than twice the threads (one sequence of a model with 3 kv heads on 2 threads
-   is 3 items, one thread doing two), each item's context is cut into parts of whole blocks, at least MIN_PART
-   positions each, and the parts' outputs are merged by their log-sum-exp (as flash-decoding does on GPUs). */
-#define MIN_PART 64
-#define MAX_PARTS 16
-
-static int context_parts(const decode_args* a, int items, int threads) {
-#ifdef INFERQ_NO_CONTEXT_SPLIT /* the before, for side-by-side timings */
-    return 1;
-#endif
-    if (items >= 2 * threads) return 1;
-    int p = (2 * threads + items - 1) / items;
-    if (p > a->max_len / MIN_PART) p = a->max_len / MIN_PART;
-    if (p > MAX_PARTS) p = MAX_PARTS;
-    return p < 1 ? 1 : p;
-}
-
-/* Part `part` of P of sequence s: its first position and length (0: empty); parts start on block boundaries. */
-static int part_range(const decode_args* a, int s, int P, int part, int* p0) {
-    const int len = a->lens[s], bs = a->c.bs;
-    const int step = ((len + P - 1) / P + bs - 1) / bs * bs;
-    *p0 = part * step;
-    if (len <= 0 || *p0 >= len) return 0;
-    return len - *p0 < step ? len - *p0 : step;
-}
-
-/* out row of head h of sequence s = the parts' outputs weighted by exp(their lse - the largest) */
-static void merge_parts(const decode_args* a, int s, int h, int P, const float* part_out, const float* part_lse) {
-    const int Hq = a->Hq, D = a->D;
-    float m = -INFINITY, w[MAX_PARTS], z = 0.f;
-    for (int p = 0; p < P; p++) m = fmaxf(m, part_lse[((int64_t)s * P + p) * Hq + h]);
-    for (int p = 0; p < P; p++) {
-        const float l = part_lse[((int64_t)s * P + p) * Hq + h];
-        w[p] = l == -INFINITY ? 0.f : expf(l - m);
-        z += w[p];
-    }
-    float* o = a->out + s * a->o_ss + (int64_t)h * a->o_hs;
-    for (int d = 0; d < D; d++) o[d] = 0.f;
-    for (int p = 0; p < P; p++) {
-        if (w[p] == 0.f) continue;
-        const float f = w[p] / z, *po = part_out + (((int64_t)s * P + p) * Hq + h) * D;
-        for (int d = 0; d < D; d++) o[d] += f * po[d];
-    }
-}
-
-/* The items cut into P context parts each (every member of the team calls it): the parts into scratch, then, after
-   the loop's barrier, the merge of each (sequence, query head). */
-static void split_share(int kind, int wide, const decode_args* a, int per, int P, float* scratch, float* sc,
-                        float* acc) {
-    const int G = a->Hq / a->Hkv, S = a->S, parts = a->Hkv / per, Hq = a->Hq, D = a->D;
-    float *part_out = scratch, *part_lse = scratch + (int64_t)S * P * Hq * D;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < (int64_t)S * parts * P; i++) {
-        if (!sc || !acc) continue;
-        const int s = (int)(i / (parts * P)), h0 = (int)(i % (parts * P) / P) * per, part = (int)(i % P);
-        float* lse = part_lse + ((int64_t)s * P + part) * Hq;
-        int p0, plen = part_range(a, s, P, part, &p0);
-        if (!plen) {
-            for (int j = 0; j < per * G; j++) lse[h0 * G + j] = -INFINITY;
-            continue;
-        }
-        decode_args l = *a; /* one sequence: this part's positions, its own output rows and lse */
-        l.q = a->q + s * a->q_ss;
-        l.bt = a->bt + s * a->bt_ss + p0 / a->c.bs;
-        l.lens = &plen;
-        l.S = 1;
-        l.max_len = plen;
-        l.out = part_out + ((int64_t)s * P + part) * Hq * D;
-        l.o_ss = 0;
-        l.o_hs = D;
-        l.lse = lse;
-        vector_item(kind, wide, &l, 0, h0, h0 + per, sc, acc);
-    }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < (int64_t)S * Hq; i++)
-        if (a->lens[i / Hq] > 0) merge_parts(a, (int)(i / Hq), (int)(i % Hq), P, part_out, part_lse);
-}
-
 /* The vector items, shared over the team of the enclosing parallel region like generic_share. */
-static void vector_share(int kind, const decode_args* a, int per, int threads, int* err) {
+static void vector_share(int kind, const decode_args* a, int per, int* err) {
     const int G = a->Hq / a->Hkv, S = a->S;
     const int parts = a->Hkv / per, wide = INFERQ_HAVE_AVX512 && use_avx512 && (a->D / 8) % 2 == 0;
     const unsigned int csr = flush_denormals(); /* results differ from IEEE by < 1e-38 */
@@ -658,24 +574,12 @@ static void vector_share(int kind, const decode_args* a, int per, int threads, i
 #pragma omp atomic write
         *err = 2;
     }
-    const int P = context_parts(a, S * parts, threads); /* the same in every member */
-    float* scratch = NULL;
-    if (P > 1) {
-#pragma omp single copyprivate(scratch)
-        scratch = (float*)malloc(sizeof(float) * (size_t)S * (size_t)P * (size_t)a->Hq * (size_t)(a->D + 1));
-    }
-    if (scratch) {
-        split_share(kind, wide, a, per, P, scratch, sc, acc);
-#pragma omp single nowait
-        free(scratch); /* after the merge loop's barrier: no member reads it any more */
-    } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < (int64_t)S * parts; i++) {
-            if (!sc || !acc) continue;
-            const int s = (int)(i / parts), h0 = (int)(i % parts) * per;
-            if (a->lens[s] <= 0) continue;
-            vector_item(kind, wide, a, s, h0, h0 + per, sc, acc);
-        }
+    for (int64_t i = 0; i < (int64_t)S * parts; i++) {
+        if (!sc || !acc) continue;
+        const int s = (int)(i / parts), h0 = (int)(i % parts) * per;
+        if (a->lens[s] <= 0) continue;
+        vector_item(kind, wide, a, s, h0, h0 + per, sc, acc);
     }
     free(sc);
     free(acc);
@@ -693,7 +597,7 @@ static int decode_share(int kind, const decode_args* a, int threads) {
     if (vector_shape(a->D, a->c.bs) && !force_generic) {
         const int per = vector_heads_per_item(a, threads);
         if (!per) return 1;
-        vector_share(kind, a, per, threads, &err);
+        vector_share(kind, a, per, &err);
         return err;
     }
 #else
@@ -727,7 +631,7 @@ int decode_f32(const float* q, int64_t q_ss, int64_t q_hs, const float* kc, cons
                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
     return decode(ELEM_F32, &a);
 }
 
@@ -735,7 +639,7 @@ int decode_bf16(const float* q, int64_t q_ss, int64_t q_hs, const uint16_t* kc, 
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                 int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
     return decode(ELEM_BF16, &a);
 }
 
@@ -743,7 +647,7 @@ int decode_i8(const float* q, int64_t q_ss, int64_t q_hs, const int8_t* kc, cons
               int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
               int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
     return decode(ELEM_I8, &a);
 }
 
@@ -753,6 +657,6 @@ int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                 int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale, NULL};
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
     return decode_share(kind, &a, omp_get_num_threads());
 }

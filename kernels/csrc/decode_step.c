@@ -14,7 +14,6 @@
    (kernels/decode_step.py). */
 #include <stdint.h>
 #include <stdlib.h>
-#include <omp.h>
 #include <string.h>
 
 #include "simd.h"
@@ -141,24 +140,6 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
         qgemm_team(p->kind == W_I4, x, xs, p->w, p->scales, p->group, p->bias, y, ys, M, N, K, accumulate);
 }
 
-/* Prefetch the first lines of this thread's share of p's panels (the products share panels with `omp for
-   schedule(static)`: libgomp gives thread t the t-th near-equal contiguous range), called before the barrier
-   that precedes the product: the stream then starts warm instead of from a cold miss per thread per product. */
-#define START_LINES 96
-static int prefetch_on = 1;
-void set_prefetch(int on) { prefetch_on = on; }
-
-static void prefetch_share(const step_proj* p, int N, int K) {
-    if (!prefetch_on) return;
-    const int T = omp_get_num_threads(), t = omp_get_thread_num(), np = (N + 15) / 16;
-    const int q = np / T, r = np % T, first = t < r ? t * (q + 1) : t * q + r;
-    if (first >= np) return;
-    const int64_t panel = p->kind == W_F32 ? (int64_t)K * 64 : p->kind == W_BF16 ? (int64_t)K * 32
-                          : p->kind == W_I8 ? (int64_t)K * 16 : (int64_t)K * 8;
-    const char* w = (const char*)p->w + first * panel;
-    for (int l = 0; l < START_LINES; l++) __builtin_prefetch(w + (int64_t)l * 64, 0, 3);
-}
-
 /* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared
    over the team (no barrier of its own); a barrier follows before its output is read. The norms and SwiGLU, a
    few rows each, are computed by every thread into rows of its own (the same values: no barrier needed after
@@ -178,7 +159,6 @@ int decode_step(const step_args* a) {
             const step_layer* w = a->layers + l;
             rms_norm_f32(a->x, H, w->input_norm, h, H, M, H, a->eps);
             product(&w->qkv, h, H, a->qkv, nqkv, M, nqkv, H, 0);
-            prefetch_share(&w->o, H, nq);
 #pragma omp barrier
 #pragma omp single
             {
@@ -191,16 +171,12 @@ int decode_step(const step_args* a) {
                 err = e;
             }
             product(&w->o, a->attn, nq, a->x, H, M, H, nq, 1);
-            prefetch_share(&w->gate_up, 2 * I, H);
 #pragma omp barrier
             rms_norm_f32(a->x, H, w->post_norm, h, H, M, H, a->eps);
             product(&w->gate_up, h, H, a->gu, 2 * I, M, 2 * I, H, 0);
-            prefetch_share(&w->down, H, I);
 #pragma omp barrier
             silu_mul_to_f32(a->gu, 2 * I, h, I, M, I);
             product(&w->down, h, I, a->x, H, M, H, I, 1);
-            if (l + 1 < a->L) prefetch_share(&a->layers[l + 1].qkv, nqkv, H);
-            else if (a->head.w) prefetch_share(&a->head, a->V, H);
 #pragma omp barrier
         }
         if (a->head.w && !err) {

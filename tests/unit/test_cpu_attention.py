@@ -103,29 +103,6 @@ def test_batched_rows_match_each_row_alone():
         torch.testing.assert_close(alone[0], first[i], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 1), (8, 2)])
-@pytest.mark.parametrize("lens", [[129], [1000], [300, 20], [700, 64]])
-@pytest.mark.parametrize("path", ["avx512", "avx2"])
-def test_few_items_split_over_the_context_match_reference(dtype, hq, hkv, lens, path):
-    """One or two sequences are fewer work items than twice the threads (always so with one kv head), so each
-    item's context is cut into parts merged by their log-sum-exp: parts of whole blocks, a short sequence beside a
-    long one leaving its later parts empty, int8 rows' scales inside every part."""
-    if path == "avx512" and not cpu_attention.has_avx512():
-        pytest.skip("no AVX-512 path on this CPU")
-    if not cpu_attention.has_simd():
-        pytest.skip("the split is the vector path's")
-    query, kc, vc, tables, seq_lens = _case(hq, hkv, 64, 16, dtype, lens, seed=sum(lens) + hq)
-    cpu_attention.use_avx512(path == "avx512")
-    try:
-        got = cpu_attention.decode_attention(query, kc, vc, tables, seq_lens, max(lens), 0.125)
-    finally:
-        cpu_attention.use_avx512(True)
-    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
-    expected = reference.paged_attention(query, _widened(kc), _widened(vc), tables, seq_lens, qsl, 0.125)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
-
-
 def test_long_context_softmax_is_stable():
     # large scores: exp must not overflow (max subtraction) and tiny weights must not become NaN
     query, kc, vc, tables, seq_lens = _case(4, 4, 64, 16, torch.float32, [2000], seed=5)
