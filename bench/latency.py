@@ -559,7 +559,7 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
     rows.append({"part": "step, op by op", **{f"b{r['batch']}": r["step_ms"] for r in op_rows}})
     fused = _fused_rows(d)
     rows.append({"part": "step, fused", **{f"b{r['batch']}": r["step_ms"] for r in fused}})
-    rows.append({"part": "  of which the fused layers", **{f"b{r['batch']}": r["parts_ms"]["other forward"] for r in fused}})
+    rows.append({"part": "  of which the fused call (with the LM head where in panels)", **{f"b{r['batch']}": r["parts_ms"]["other forward"] for r in fused}})
     rows.append({"part": "fused: achieved GB/s", **{f"b{r['batch']}": r["achieved_gbs"] for r in fused}})
     rows.append({"part": "fused: share of read bandwidth",
                  **{f"b{r['batch']}": r["achieved_gbs"] / bandwidth for r in fused}})
