@@ -236,6 +236,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
             for _ in range(steps):
                 context += sum(r.num_tokens for r in engine.scheduler.running)
                 engine.step()
+        fused_step = model._decode_step if fused else None  # use_decode_step below drops it
     finally:
         timers.unwrap()
         model.use_decode_step(True)
@@ -253,7 +254,8 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     cache = runner.kv_caches[0][0]
     kv_bytes = 2 * len(runner.kv_caches) * (context / steps) * cache.shape[2] * cache.shape[3] * cache.element_size()
     step_bytes = sum(wbytes.values()) + kv_bytes
-    return {"batch": batch, "fused": fused, "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes,
+    return {"batch": batch, "fused": fused, "head_in_step": bool(fused_step is not None and fused_step.has_head),
+            "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes,
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": step_bytes, "achieved_gbs": step_bytes / t["step"] / 1e6,
             "projection_gbs": {kind: wbytes[kind] / parts[kind] / 1e6 for kind in wbytes if parts[kind] > 0}}
 

@@ -114,6 +114,23 @@ def pack(q: QuantizedWeight, huge: bool = False) -> Panels:
     return Panels("int4", n, k, q.group_size, _alloc(tuple(packed.shape), torch.uint8, huge).copy_(packed), sz)
 
 
+def operands(x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None, out: torch.Tensor | None):
+    """A panel product's C operands: ``x`` float32 ``[M, k]`` with dense rows, ``out`` (a new float32 ``[M, n]``
+    unless given, then accumulated into), ``bias`` float32 and dense or None, and whether it accumulates."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert x.shape[1] == k, (x.shape[1], k)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.stride(-1) == 1 and out.shape == (x.shape[0], n)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    return x, out, bias, accumulate
+
+
 def matmul(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            lib: ctypes.CDLL | None = None, team: bool = False) -> torch.Tensor:
     """``x W^T + b`` as a new float32 ``[M, n]`` tensor, or ``out += x W^T + b`` in place when ``out`` is given
@@ -121,18 +138,8 @@ def matmul(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None, ou
     :func:`build` (tests); ``team``: call ``qgemm_team`` (outside a parallel region: one thread) instead."""
     lib = lib or _load()
     assert lib is not None, "quantised panel GEMM kernel not available"
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, out, bias, accumulate = operands(x, panels.k, panels.n, bias, out)
     m, k = x.shape
-    assert k == panels.k, (k, panels.k)
-    accumulate = out is not None
-    if out is None:
-        out = torch.empty((m, panels.n), dtype=torch.float32)
-    assert out.dtype == torch.float32 and out.stride(-1) == 1 and out.shape == (m, panels.n)
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
     fn = lib.qgemm_team if team else lib.qgemm
     err = fn(FMT[panels.fmt], x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
              panels.group_size, bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
+from kernels import native, quant_panels
 from kernels.quant import QuantizedWeight
 
 PANEL = 16
@@ -150,18 +150,8 @@ def matmul(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None, ou
     (float32, dense rows). ``x`` ``[M, k]`` with dense rows (any row stride). ``lib``: a variant (tests)."""
     lib = lib or _load()
     assert lib is not None, "w8a8 GEMM kernel not available"
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, out, bias, accumulate = quant_panels.operands(x, panels.k, panels.n, bias, out)
     m, k = x.shape
-    assert k == panels.k, (k, panels.k)
-    accumulate = out is not None
-    if out is None:
-        out = torch.empty((m, panels.n), dtype=torch.float32)
-    assert out.dtype == torch.float32 and out.stride(-1) == 1 and out.shape == (m, panels.n)
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
     err = lib.w8a8_gemm(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), 1 if panels.wide else 0,
                         panels.scales.data_ptr(),
                         bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m, panels.n,
