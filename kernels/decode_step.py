@@ -10,7 +10,7 @@ When :meth:`DecodeStep.for_model` returns one and :meth:`DecodeStep.applies` hol
 step): a CPU model in float32 arithmetic whose every projection is in panels (the packed float32 or bfloat16
 layout, or the quantised int8/int4 panels where the planner serves decode sizes from them), interleaved RoPE (the float32 forward's), no tensor parallelism, a float32 or bfloat16 KV cache, and a
 step of at most ``MAX_ROWS`` tokens (the GEMM planner's decode-sized bucket: above it a step's per-op costs are
-a small share, and the small ops here run on one thread): decodes, and chunks of several tokens (speculative
+a small share, and the small ops here are computed by every thread): decodes, and chunks of several tokens (speculative
 proposals, short prefills) where the prefill kernel reads the cache. Anything else runs op by op. Where the LM
 head is in panels too, the final norm and the head run in the same call (one fork of the team less per step).
 """
