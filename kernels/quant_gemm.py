@@ -47,9 +47,12 @@ from kernels.cpu_gemm import BUCKET_LIMITS, MAX_PROBE_FLOP, PROBE_M, SCRATCH_BYT
 from kernels.quant import QuantizedWeight
 
 FORMS = {"int8": ("w8a16", "w8dq", "w8a8", "w8a8w", "panels"), "int4": ("w4", "w4dq", "panels")}
-# int8 activations cost accuracy (per-token ones lose the few outlier channels LLM hidden states carry: several
-# times the KL of weight-only int8 on SmolLM2 in ``bench quality``; the 32-blocks of our kernel much less), so
-# ``w8a8`` is a candidate only when asked for.
+# int8 activations cost accuracy: per-token ones lose the few outlier channels LLM hidden states carry (+4.4%
+# perplexity on SmolLM2 in ``bench quality``, several times weight-only int8's KL), so torch's per-token form is a
+# candidate only when asked for (``activations="any"``); our kernel's blocks of 32 keep int8's +1% (+0.59% with
+# every product but the LM head in them), so plain int8 times them too (``"blocks"``) where the kernel builds and
+# K allows; ``"float"`` keeps activations float (the LM head: the logits are the most sensitive product).
+ACTIVATIONS = ("float", "blocks", "any")
 WEIGHT_ONLY = {"int8": ("w8a16", "w8dq", "panels"), "int4": ("w4", "w4dq", "panels")}
 # Panels that win the decode bucket serve every bucket (one copy of the weight) when no other form is faster by
 # more than this in any bucket
@@ -242,22 +245,27 @@ def _bucket_forms(forms: tuple[str, ...], bucket: int) -> tuple[str, ...]:
     return tuple(f for f in forms if f not in ("w8a8", "w8a8w"))
 
 
-def candidates(fmt: str, int8_activations: bool = False) -> tuple[str, ...]:
-    """The forms :func:`plan` times for ``fmt``: torch's (W8A8 only when asked for) and, where the kernel
-    builds, the panels."""
-    forms = FORMS[fmt] if int8_activations else WEIGHT_ONLY[fmt]
+def candidates(fmt: str, activations: str = "float", k: int | None = None) -> tuple[str, ...]:
+    """The forms :func:`plan` times for ``fmt``: the weight-only ones; with ``activations="blocks"`` our
+    block-32 W8A8 too where it builds for a K of ``k`` (None: unknown); with ``"any"`` every int8 form (torch's
+    per-token W8A8 where ours does not apply); the panels where their kernel builds."""
+    assert activations in ACTIVATIONS, activations
+    blocks = (activations == "blocks" and fmt == "int8" and k is not None and w8a8_panels.supports(k)
+              and w8a8_panels.available())
+    forms = FORMS[fmt] if activations == "any" or blocks else WEIGHT_ONLY[fmt]
     # the int16 w8a8 copy only where it can beat the int8 one (AVX2 without VNNI) and our kernel builds
     wide = w8a8_panels.available() and w8a8_panels.default_wide()
     return tuple(f for f in forms if (f != "panels" or quant_panels.available()) and (f != "w8a8w" or wide))
 
 
 def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: bool = False,
-         autotune: bool = True, int8_activations: bool = False) -> QuantLinear:
+         autotune: bool = True, activations: str = "blocks") -> QuantLinear:
     """A :class:`QuantLinear` for ``q``, its form per M bucket measured once per shape and format in this
     process (``autotune=False``: the first form everywhere, for tests). ``embedding``: the weight is also the
-    embedding table (kept readable by :meth:`QuantLinear.rows`); ``int8_activations``: W8A8 is a candidate.
+    embedding table (kept readable by :meth:`QuantLinear.rows`); ``activations``: which int8-activation forms
+    are candidates (:func:`candidates`).
     """
-    forms = candidates(q.fmt, int8_activations)
+    forms = candidates(q.fmt, activations, q.shape[1])
     key = (tuple(q.shape), q.fmt, q.group_size, forms, torch.get_num_threads())
     with _lock:
         found = _plans.get(key)

@@ -1,7 +1,8 @@
 """``y = x W^T + b`` on CPU with W int8 (per-channel, :mod:`kernels.quant`) and x quantised on the fly to int8 in
 blocks of 32 inputs along K, each block with its own float32 scale (llama.cpp's Q8_0 activations): our own kernel
-(``csrc/w8a8_gemm.c``), integer dot products (AVX2 sign trick + ``vpmaddubsw``/``vpmaddwd``; AVX-VNNI /
-AVX512-VNNI ``vpdpbusd`` where the compiler targets them; a scalar fallback with the same results).
+(``csrc/w8a8_gemm.c``), integer dot products (AVX2 sign trick + ``vpmaddubsw``/``vpmaddwd``; AVX-VNNI ``vpdpbusd``
+after the sign trick; AVX512-VNNI ``vpdpbusd`` on 512-bit vectors with the weights offset to unsigned; a scalar
+fallback with the same results).
 
 Why blocks: per-token int8 activations (torch's ``_int_mm`` form, :mod:`kernels.quant_gemm`) give every input of
 a token the scale of its largest one, and SmolLM2's hidden states carry a few outlier channels, so most inputs
@@ -32,7 +33,8 @@ ISA = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
 
 def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     """Build (once per machine) and :func:`bind` the library; ``defines`` picks a variant (``INFERQ_NO_AVX2``:
-    the scalar path; ``INFERQ_NO_VNNI``: the AVX2 path on a VNNI CPU; ``MR_MAX``: rows per tile, 1-6)."""
+    the scalar path; ``INFERQ_NO_VNNI``: the AVX2 path on a VNNI CPU; ``INFERQ_NO_AVX512``: AVX-VNNI (256-bit) where the CPU has
+    it, else AVX2; ``MR_MAX``: rows per tile, 1-8)."""
     lib = native.build("w8a8_gemm", SOURCES, defines)
     return bind(lib) if lib is not None else None
 
@@ -129,7 +131,11 @@ def quantize(x: torch.Tensor, lib: ctypes.CDLL | None = None, wide: bool = False
     if wide:
         return scratch.view(torch.int16).to(torch.int8), d
     q = scratch[:, :k].contiguous()
-    assert torch.equal(scratch[:, k:].view(torch.uint8), q.abs().view(torch.uint8))
+    if isa(lib) == "avx512-vnni":  # each block's sum of codes (the +128 offset's correction), int32
+        sums = scratch[:, k : k + k // BLOCK * 4].contiguous().view(torch.int32)
+        assert torch.equal(sums, q.view(m, k // BLOCK, BLOCK).sum(dim=2, dtype=torch.int32))
+    else:
+        assert torch.equal(scratch[:, k:].view(torch.uint8), q.abs().view(torch.uint8))
     return q, d
 
 

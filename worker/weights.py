@@ -126,7 +126,7 @@ class _Reader:
                 raise ModelError(f"{self.where}: cannot quantise to {fmt}: {exc}") from exc
         if isinstance(w_oi, QuantizedWeight):
             return quant_gemm.plan(w_oi, None if b is None else b.float(), embedding=embedding,
-                                   int8_activations=self.quantization == "w8a8" and not head)
+                                   activations="float" if head else "any" if self.quantization == "w8a8" else "blocks")
         if self.weight_dtype != self.dtype:  # only the packed kernel multiplies bfloat16 panels by float32 rows
             return cpu_gemm.plan(w_oi.to(self.weight_dtype), b, packed_only=True)
         return cpu_gemm.plan(w_oi, b, embedding=embedding)

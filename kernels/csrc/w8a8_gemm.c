@@ -14,10 +14,16 @@
    |q| (unsigned) times sign(q) * w (_mm256_sign_epi8); both in [-127, 127], so a pair sum is at most 2 * 127 * 127
    = 32,258 and never saturates int16; _mm256_madd_epi16 with ones sums the pairs into int32 (4 products per
    column lane). Per 32-block the int32 sums are converted once and fused-multiply-added with the row's block
-   scale. With AVX-VNNI or AVX512-VNNI (+VL), vpdpbusd does the multiply and both sums in one instruction
-   (compiled in by the compiler's macros under -march=native; INFERQ_NO_VNNI leaves it out; not run on the
-   AVX2-only machine this was written on, only compiled). |q| is stored beside q by the quantisation pass, so
-   both operands of a row are one broadcast load each.
+   scale. With AVX-VNNI, vpdpbusd does the multiply and both sums in one instruction (still after the sign
+   trick). |q| is stored beside q by the quantisation pass, so both operands of a row are one broadcast load each.
+
+   AVX512-VNNI (512-bit): a panel row of 64 bytes is one zmm, and the sign trick goes: the weight codes are
+   offset to unsigned, w + 128 (one xor per loaded register, shared by every row of the tile), and multiplied
+   by the signed activation codes, so sum (w + 128) q = sum w q + 128 sum q; the quantisation pass stores each
+   block's sum q beside the codes (where the narrow path keeps |q|) and the tile subtracts 128 sum q once per
+   block: still exact in int32, one vpdpbusd per row per 64 codes (int16 panels: vpdpwssd). The ISA macros come
+   from the compiler under -march=native; INFERQ_NO_AVX512 builds the AVX-VNNI path on such a CPU and
+   INFERQ_NO_VNNI the AVX2 one (tests force each).
 
    Tiles of up to MR_MAX rows x 16 columns: each loaded weight register is used by every row of the tile (prefill
    is compute-bound; that reuse and 4x as many multiply-adds per instruction as float32 FMA are the gain). Rows in
@@ -37,18 +43,24 @@
 #define PANEL 16
 #define QB 32
 #define X_BLOCK_BYTES (128 * 1024) /* activation codes (q and |q|) per row block: L2 resident */
-#ifndef MR_MAX
-#define MR_MAX 6
-#endif
 
-#if INFERQ_HAVE_AVX2 && !defined(INFERQ_NO_VNNI) && defined(__AVXVNNI__)
-#define W8A8_ISA 2 /* AVX-VNNI */
-#elif INFERQ_HAVE_AVX512 && !defined(INFERQ_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define W8A8_ISA 3 /* AVX512-VNNI on 256-bit vectors */
+#if INFERQ_HAVE_AVX512 && !defined(INFERQ_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define W8A8_ISA 3 /* AVX512-VNNI on 512-bit vectors, the +128 offset */
+#elif INFERQ_HAVE_AVX2 && !defined(INFERQ_NO_VNNI) && defined(__AVXVNNI__)
+#define W8A8_ISA 2 /* AVX-VNNI on 256-bit vectors, the sign trick */
 #elif INFERQ_HAVE_AVX2
 #define W8A8_ISA 1 /* AVX2 sign trick */
 #else
 #define W8A8_ISA 0 /* scalar */
+#endif
+
+/* rows per tile: a 512-bit tile keeps 2 registers per row (int32 sums, float sums) of 32 */
+#ifndef MR_MAX
+#if W8A8_ISA == 3
+#define MR_MAX 8
+#else
+#define MR_MAX 6
+#endif
 #endif
 
 /* Which path this build runs: 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI. */
@@ -90,7 +102,17 @@ static void quant_row(const float* x, int K, int wide, char* row, float* d) {
         } else {
             const __m256i p = _mm256_max_epi8(_mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm), lo);
             _mm256_storeu_si256((__m256i*)(row + b * QB), p);
+#if W8A8_ISA == 3
+            /* the block's sum of codes (for the +128 offset), as int32 where |q| would go */
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), p);
+            const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+            const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+            const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+            const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
+            memcpy(row + K + b * 4, &sum, 4);
+#else
             _mm256_storeu_si256((__m256i*)(row + K + b * QB), _mm256_abs_epi8(p));
+#endif
         }
     }
 }
@@ -123,8 +145,6 @@ static void quant_row(const float* x, int K, int wide, char* row, float* d) {
 ALWAYS_INLINE __m256i dot4(__m256i acc, __m256i xa, __m256i sw) {
 #if W8A8_ISA == 2
     return _mm256_dpbusd_avx_epi32(acc, xa, sw);
-#elif W8A8_ISA == 3
-    return _mm256_dpbusd_epi32(acc, xa, sw);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, sw), _mm256_set1_epi16(1)));
 #endif
@@ -206,11 +226,68 @@ ALWAYS_INLINE void tile(const int MR, const int WIDE, const char* xc, int64_t xs
     }
 }
 
+#if W8A8_ISA == 3
+/* One MR x 16 tile on 512-bit vectors (arguments as tile's): per block, narrow: sum (w + 128) q by vpdpbusd, less
+   128 sum q (the quantisation pass's block sums, 4 bytes each after the row's codes); wide: vpdpwssd on int16
+   codes. Then the same float steps in the same order as tile. */
+ALWAYS_INLINE void tile512(const int MR, const int WIDE, const char* xc, int64_t xs, const float* xd, int nb, int K,
+                           const char* w, const float* ws, float* y, int64_t ys, const float* b, int nc,
+                           int accumulate, const char* prefetch) {
+    __m512 f[MR_MAX];
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) f[r] = _mm512_setzero_ps();
+    const int64_t block_bytes = (int64_t)QB * PANEL * (WIDE ? 2 : 1);
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    for (int kb = 0; kb < nb; kb++) {
+        __m512i s[MR_MAX];
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) s[r] = _mm512_setzero_si512();
+        const char* wb = w + kb * block_bytes;
+        if (WIDE) {
+            _Pragma("GCC unroll 16") for (int g = 0; g < QB / 2; g++) {
+                if (prefetch) _mm_prefetch(prefetch + kb * block_bytes + g * 64, _MM_HINT_T0);
+                const __m512i w0 = _mm512_loadu_si512((const void*)(wb + g * 64));
+                _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) {
+                    const __m512i vq = _mm512_set1_epi32(load_i32(xc + r * xs + ((int64_t)kb * QB + g * 2) * 2));
+                    s[r] = _mm512_dpwssd_epi32(s[r], w0, vq);
+                }
+            }
+        } else {
+            _Pragma("GCC unroll 8") for (int g = 0; g < QB / 4; g++) {
+                if (prefetch) _mm_prefetch(prefetch + kb * block_bytes + g * 64, _MM_HINT_T0);
+                const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void*)(wb + g * 64)), offset);
+                _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) {
+                    const __m512i vq = _mm512_set1_epi32(load_i32(xc + r * xs + (int64_t)kb * QB + g * 4));
+                    s[r] = _mm512_dpbusd_epi32(s[r], wu, vq);
+                }
+            }
+            _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++)
+                s[r] = _mm512_sub_epi32(s[r], _mm512_set1_epi32(load_i32(xc + r * xs + K + kb * 4) * 128));
+        }
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++)
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(xd[r * nb + kb]), f[r]);
+    }
+    const __mmask16 m = (__mmask16)((1u << nc) - 1u);
+    const __m512 sc = _mm512_loadu_ps(ws);
+    const __m512 bb = b ? _mm512_maskz_loadu_ps(m, b) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) {
+        __m512 c = _mm512_fmadd_ps(f[r], sc, bb);
+        float* yr = y + r * ys;
+        if (accumulate) c = _mm512_add_ps(_mm512_maskz_loadu_ps(m, yr), c);
+        _mm512_mask_storeu_ps(yr, m, c);
+    }
+}
+
+#define TILE_CASE(R)                                                                       \
+    case R:                                                                                \
+        if (wide) tile512(R, 1, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);           \
+        else tile512(R, 0, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);                \
+        break;
+#else
 #define TILE_CASE(R)                                                                       \
     case R:                                                                                \
         if (wide) tile(R, 1, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);              \
         else tile(R, 0, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);                   \
         break;
+#endif
 
 /* the row count and layout compile-time constants inside each tile (always_inline): one case per count */
 static void tile_rows(int mr, int wide, const char* xc, int64_t xs, const float* xd, int nb, int K, const char* w,
@@ -231,6 +308,12 @@ static void tile_rows(int mr, int wide, const char* xc, int64_t xs, const float*
 #endif
 #if MR_MAX >= 6
         TILE_CASE(6)
+#endif
+#if MR_MAX >= 7
+        TILE_CASE(7)
+#endif
+#if MR_MAX >= 8
+        TILE_CASE(8)
 #endif
         default: break;
     }
@@ -264,7 +347,7 @@ static void tile_rows(int mr, int wide, const char* xc, int64_t xs, const float*
 
 /* Rows per row block: their scratch rows (2 K bytes each) stay in L2 while the thread's panels pass over them. */
 static int row_block(int M, int K) {
-    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * 2)) / 12 * 12;
+    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * 2)) / 24 * 24; /* whole tiles of 6 or 8 rows */
     if (mb < 24) mb = 24;
     return M <= 2 * mb ? M : mb;
 }

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import quant, quant_gemm
+from kernels import quant, quant_gemm, w8a8_panels
 from kernels.quant import QuantizedWeight
 
 
@@ -140,9 +140,16 @@ def test_plan_measures_and_records_a_form_per_bucket():
     assert len(lin.forms) == len(quant_gemm.BUCKET_LIMITS) + 1
     assert set(lin.forms) <= set(quant_gemm.FORMS["int4"])
     assert any(k.startswith("64x128 int4/g32") for k in quant_gemm.plans())
+    weight_only = quant_gemm.plan(quant.quantize(_weights(64, 128), "int8"), activations="float")
+    assert set(weight_only.forms) <= {"w8a16", "w8dq", "panels"}
+    # our block-32 int8 activations are timed by default where the kernel builds (never torch's per-token form),
+    # and kept out of the decode bucket where the panels are a candidate (the fused step multiplies those)
+    blocks = quant_gemm.candidates("int8", "blocks", 128)
+    assert ("w8a8" in blocks) == w8a8_panels.available() and "w8a8" not in quant_gemm.candidates("int8", "blocks", 48)
     int8 = quant_gemm.plan(quant.quantize(_weights(64, 128), "int8"))
-    assert set(int8.forms) <= {"w8a16", "w8dq", "panels"}  # weight-only unless W8A8 is asked for
-    w8a8 = quant_gemm.plan(quant.quantize(_weights(64, 128), "int8"), int8_activations=True)
+    assert set(int8.forms) <= set(blocks) and int8.forms[0] not in ("w8a8", "w8a8w")
+    assert ("w8a8" in int8.forms) == (int8.a8 is not None)
+    w8a8 = quant_gemm.plan(quant.quantize(_weights(64, 128), "int8"), activations="any")
     assert set(w8a8.forms) <= {"w8a16", "w8dq", "w8a8", "w8a8w", "panels"}
 
 

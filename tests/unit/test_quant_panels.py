@@ -43,10 +43,12 @@ def _quantized(fmt: str, group: int, n: int, k: int) -> quant.QuantizedWeight:
     return quant.quantize(w, fmt, group) if fmt == "int4" else quant.quantize(w, fmt)
 
 
-def _check(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """float32 summation order only: each element within ~1e-5 of sum |x w| + |ref| (its rounding scale, bias and
-    accumulated values included), and the whole within 1e-5 relative."""
-    scale = x.double().abs() @ w.double().abs().t() + ref.abs() + 1e-30
+def _check(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, added=0.0) -> None:
+    """float32 summation order only: each element within ~1e-5 of sum |x w| + |added| + |ref| (its rounding scale:
+    `added` is what bias and accumulation put in, which can cancel the product), and the whole within 1e-5
+    relative."""
+    added = torch.as_tensor(added, dtype=torch.float64).abs()
+    scale = x.double().abs() @ w.double().abs().t() + added + ref.abs() + 1e-30
     err = (got.double() - ref).abs()
     assert (err <= 1e-5 * scale + 1e-30).all(), float((err / scale).max())
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
@@ -68,12 +70,12 @@ def test_panels_match_the_dequantised_weight(variant, fmt, group, n, k):
         x[0, :7] *= 1e3  # an activation outlier
         ref = x.double() @ w.double().t()
         _check(quant_panels.matmul(x, p, lib=lib), ref, x, w)
-        _check(quant_panels.matmul(x, p, bias, lib=lib), ref + bias.double(), x, w)
+        _check(quant_panels.matmul(x, p, bias, lib=lib), ref + bias.double(), x, w, bias)
         out = torch.randn(m, n, generator=gen)
-        want = ref + bias.double() + out.double()
+        want, added = ref + bias.double() + out.double(), bias.double().abs() + out.double().abs()
         got = quant_panels.matmul(x, p, bias, out=out, lib=lib)
         assert got is out
-        _check(out, want, x, w)
+        _check(out, want, x, w, added)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -125,17 +127,18 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quant_linear_panels_form(fmt):
     q = _quantized(fmt, 32, 70, 128)
-    bias = torch.randn(70)
+    gen = torch.Generator().manual_seed(70)
+    bias = torch.randn(70, generator=gen)
     lin = quant_gemm.QuantLinear(q, bias, ("panels",) * 4)
     assert lin.panels is not None and not lin.weight.codes.numel()  # the panels are the only copy
     assert lin.nbytes == lin.panels.nbytes  # the panels hold their own scales
-    x = torch.randn(5, 128)
+    x = torch.randn(5, 128, generator=gen)
     ref = x.double() @ q.dequantize().double().t() + bias.double()
     w = q.dequantize()
-    _check(lin(x), ref, x, w)
+    _check(lin(x), ref, x, w, bias)
     out = torch.ones(5, 70)
     assert lin.add_to(out, x) is out
-    _check(out, ref + 1.0, x, w)
+    _check(out, ref + 1.0, x, w, bias.abs() + 1.0)
     assert lin(x.bfloat16()).dtype == torch.bfloat16
     if fmt == "int8":  # a tied table's rows come from the panels, bit for bit
         ids = torch.tensor([0, 69, 3, 3])

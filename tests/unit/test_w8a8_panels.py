@@ -3,10 +3,11 @@
 The activation codes and block scales equal a torch reference of the same quantisation exactly; the product
 matches that reference's float64 sum tightly (float32 rounding of the per-block sums only) and plain float matmul
 loosely (the quantisation error), on random and adversarial inputs (all-zero blocks and rows, a huge outlier
-channel, odd N, M = 1, 3, 17, 200), with bias and accumulation, for the native build and the forced scalar one
-(which agree bit for bit: the same integer sums, the same fmas in the same order), each with the int8 panels
-(sign trick / VNNI) and the int16 ones (vpmaddwd), which agree bit for bit too; K not a multiple of 32 is
-refused; the planner's "w8a8" and "w8a8w" forms run the kernel."""
+channel, odd N, M = 1, 3, 17, 200), with bias and accumulation, for the native build and every forced one the
+CPU can run: AVX-VNNI without AVX-512, AVX2 without VNNI, scalar (which all agree bit for bit: the same integer
+sums, the same fmas in the same order), each with the int8 panels (+128 offset / sign trick) and the int16 ones
+(vpdpwssd / vpmaddwd), which agree bit for bit too; K not a multiple of 32 is refused; the planner's "w8a8" and
+"w8a8w" forms run the kernel."""
 
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ ROWS = (1, 3, 17, 200)
 SHAPES = [(37, 96), (100, 576), (16, 32), (200, 1536)]  # (N, K): N not a multiple of 16 but one
 
 
+# the build for each path: on a CPU without an instruction set, its build falls back to the next one down
+BUILDS = {"native": None, "no-avx512": {"INFERQ_NO_AVX512": 1}, "no-vnni": {"INFERQ_NO_VNNI": 1},
+          "scalar": {"INFERQ_NO_AVX2": 1}}
+
+
 @functools.cache
 def _lib(variant: str):
-    return w8a8_panels.build({"INFERQ_NO_AVX2": 1} if variant == "scalar" else None)
+    return w8a8_panels.build(BUILDS[variant])
 
 
 def _weight(n: int, k: int) -> torch.Tensor:
@@ -55,15 +61,17 @@ def _reference(x: torch.Tensor, q: quant.QuantizedWeight) -> torch.Tensor:
     return xd @ q.dequantize().double().t()
 
 
-def _check_tight(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, q: quant.QuantizedWeight) -> None:
-    """float32 rounding only: each element within 1e-5 of its magnitude scale sum |x||w| (+ |ref|)."""
-    scale = x.double().abs() @ q.dequantize().double().abs().t() + ref.abs() + 1e-30
+def _check_tight(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, q: quant.QuantizedWeight, added=0.0) -> None:
+    """float32 rounding only: each element within 1e-5 of its magnitude scale sum |x||w| + |added| + |ref|
+    (`added`: what bias and accumulation put in, which can cancel the product)."""
+    added = torch.as_tensor(added, dtype=torch.float64).abs()
+    scale = x.double().abs() @ q.dequantize().double().abs().t() + added + ref.abs() + 1e-30
     err = (got.double() - ref).abs()
     assert (err <= 1e-5 * scale).all(), float((err / scale).max())
 
 
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("variant", ["native", "scalar"])
+@pytest.mark.parametrize("variant", list(BUILDS))
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_product_matches_the_block_quantised_reference(variant, wide, n, k):
     lib = _lib(variant)
@@ -86,11 +94,11 @@ def test_product_matches_the_block_quantised_reference(variant, wide, n, k):
         if m > 2:
             assert not y[2].any()  # an all-zero row gives exact zeros
         assert not y[:, 0].any()  # so does an all-zero weight row
-        _check_tight(w8a8_panels.matmul(x, p, bias, lib=lib), ref + bias.double(), x, q)
+        _check_tight(w8a8_panels.matmul(x, p, bias, lib=lib), ref + bias.double(), x, q, bias)
         out = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
-        want = ref + bias.double() + out.double()
+        want, added = ref + bias.double() + out.double(), bias.double().abs() + out.double().abs()
         assert w8a8_panels.matmul(x, p, bias, out=out, lib=lib) is out
-        _check_tight(out, want, x, q)
+        _check_tight(out, want, x, q, added)
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
@@ -101,7 +109,7 @@ def test_builds_and_layouts_agree_bit_for_bit(n, k):
         x = _x(m, k, m + 3)
         a = w8a8_panels.matmul(x, narrow, lib=_lib("native"))
         for p in (narrow, wide):
-            for variant in ("native", "scalar"):
+            for variant in BUILDS:
                 b = w8a8_panels.matmul(x, p, lib=_lib(variant))
                 assert torch.equal(a, b), (p.wide, variant, float((a - b).abs().max()))
 
@@ -158,21 +166,21 @@ def test_k_not_a_multiple_of_32_is_refused():
 def test_quant_linear_w8a8_forms_run_the_kernel(form):
     n, k = 70, 128
     q = quant.quantize(_weight(n, k), "int8")
-    bias = torch.randn(n)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
     lin = quant_gemm.QuantLinear(q, bias, (form,) * 4)
     a8 = lin.a8 if form == "w8a8" else lin.a8w
     assert a8 is not None and a8.wide == (form == "w8a8w")
     assert not lin.weight.codes.numel() and lin.nbytes == a8.nbytes  # our panels are the only copy
     x = _x(5, k, 0)
     ref = _reference(x, q) + bias.double()
-    _check_tight(lin(x), ref, x, q)
+    _check_tight(lin(x), ref, x, q, bias)
     out = torch.ones(5, n)
     assert lin.add_to(out, x) is out
-    _check_tight(out, ref + 1.0, x, q)
+    _check_tight(out, ref + 1.0, x, q, bias.abs() + 1.0)
     assert lin(x.bfloat16()).dtype == torch.bfloat16
-    planned = quant_gemm.plan(q, int8_activations=True)
+    planned = quant_gemm.plan(q, activations="any")
     assert set(planned.forms) <= set(quant_gemm.FORMS["int8"])
     assert (planned.a8 is not None) == ("w8a8" in planned.forms)
     assert (planned.a8w is not None) == ("w8a8w" in planned.forms)
-    assert ("w8a8w" in quant_gemm.candidates("int8", True)) == w8a8_panels.default_wide()
+    assert ("w8a8w" in quant_gemm.candidates("int8", "any")) == w8a8_panels.default_wide()
     assert "w8a8w" not in quant_gemm.candidates("int8")
