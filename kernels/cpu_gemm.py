@@ -38,6 +38,13 @@ SCRATCH_BYTES = 64 << 20  # more than the last-level cache of the CPUs seen here
 # probe time (measured: the same shape planned to MKL in one load and to pk in the next on a busy 2-core
 # VM), while pk never repacks and was at least as fast on every layer shape measured on a quiet one.
 PACKED_BIAS = 0.85
+# A float32 weight whose best layout is a BLAS one keeps a second copy in the packed layout for the decode
+# bucket when the packed kernel is within this of the best form there: the fused decode step
+# (kernels/decode_step.py) runs only where every projection is in panels, and it is worth 1.23-1.40x a whole
+# small step (docs/BENCHMARKS.md), more than a product's own difference. Measured on an AMX Xeon: MKL won
+# SmolLM2's gate_up (3072x576) by 1.3-1.4x at prefill sizes and tied at M = 8, so the single layout was MKL's
+# and single-stream float32 decode ran op by op (35 tok/s against llama.cpp's 39).
+FUSED_STEP_MARGIN = 1.35
 
 _plans: dict[tuple, tuple[str, tuple[str, ...]]] = {}
 _lock = threading.Lock()
@@ -56,17 +63,24 @@ class Linear:
     packed ``[ceil(out/16), in, 16]`` ("pk", :mod:`kernels.packed_gemm`), or packed in k pairs
     ``[ceil(out/16), in/2, 16, 2]`` ("pd", bfloat16); ``forms[b]`` is "xw" (``x @ W^T``, one GEMM writing
     rows), "wx" (``W @ x^T``, a GEMM writing columns, then transposed back), or "pk" / "pd" (the packed
-    kernels; the only form of their layouts) for M bucket b."""
+    kernels; the only form of their layouts) for M bucket b. ``decode_panels``: a second copy of a BLAS-layout
+    weight packed as "pk", which the "pk" form of the decode bucket reads (:func:`plan` says when it keeps one)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     layout: str = "oi"
     forms: tuple[str, ...] = ("xw",) * (len(BUCKET_LIMITS) + 1)
     out_dim: int = 0  # set from the weight unless packed (the packed weight is zero-padded to whole panels)
+    decode_panels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("pk", "pd"):
             self.out_dim = int(self.weight.shape[0 if self.layout == "oi" else 1])
+
+    @property
+    def panels(self) -> torch.Tensor | None:
+        """The weight in the "pk" layout where there is one: the weight itself, or the decode bucket's copy."""
+        return self.weight if self.layout == "pk" else self.decode_panels
 
     @property
     def w_oi(self) -> torch.Tensor:
@@ -104,8 +118,8 @@ class Linear:
             return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
         if form == "pk":
             if x.dtype != torch.float32:  # the kernel's arithmetic is float32 whatever the panels hold
-                return packed_gemm.matmul(x.float(), self.weight, self.out_dim, self.bias).to(x.dtype)
-            return packed_gemm.matmul(x, self.weight, self.out_dim, self.bias)
+                return packed_gemm.matmul(x.float(), self.panels, self.out_dim, self.bias).to(x.dtype)
+            return packed_gemm.matmul(x, self.panels, self.out_dim, self.bias)
         if form == "wx":
             y = self._wx(x)
             return y.contiguous() if contiguous else y
@@ -121,7 +135,7 @@ class Linear:
         if form == "pk":
             if out.dtype != torch.float32 or x.dtype != torch.float32:
                 return out.add_(self(x))
-            return packed_gemm.matmul(x, self.weight, self.out_dim, self.bias, out=out)
+            return packed_gemm.matmul(x, self.panels, self.out_dim, self.bias, out=out)
         if form == "wx":
             return out.add_(self._wx(x))
         if self.bias is None:
@@ -169,7 +183,8 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
         for i, x in enumerate(xs):
             for _, _, lin in candidates:  # warm-up
                 lin(x)
-            reps = 4 if n * k * x.shape[0] < 2e8 else 2
+            # decode sizes swing most with the machine's load (and decide the fused step's panels): more samples
+            reps = 8 if i == 0 else 4 if n * k * x.shape[0] < 2e8 else 2
             for r in range(reps):  # interleaved, order flipped each round: noise hits every candidate alike
                 for layout, form, lin in candidates if r % 2 == 0 else reversed(candidates):
                     best[layout, form, i] = min(best[layout, form, i], _time(lin, x, scratch))
@@ -185,7 +200,11 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
         if chosen is None or score < chosen[0]:
             chosen = (score, layout, forms)  # type: ignore[assignment]
     assert chosen is not None
-    return chosen[1], chosen[2]  # type: ignore[return-value]
+    layout, forms = chosen[1], chosen[2]
+    if (dt == torch.float32 and "pk" in layouts and layout != "pk"
+            and best["pk", "pk", 0] <= FUSED_STEP_MARGIN * floor[0]):
+        forms = ("pk", *forms[1:])  # plan() keeps the panels beside the BLAS layout
+    return layout, forms  # type: ignore[return-value]
 
 
 def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding: bool = False,
@@ -213,7 +232,8 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding
         if found is None:
             found = _plans[key] = _measure(weight_oi, layouts)
     layout, forms = found
-    return Linear(_stored(weight_oi, layout, kept=True), bias, layout, forms, int(weight_oi.shape[0]))
+    panels = _stored(weight_oi, "pk", kept=True) if layout != "pk" and "pk" in forms else None
+    return Linear(_stored(weight_oi, layout, kept=True), bias, layout, forms, int(weight_oi.shape[0]), panels)
 
 
 def plans() -> dict[str, str]:

@@ -76,9 +76,13 @@ def load() -> ctypes.CDLL | None:
 
 def _panels(lin) -> tuple | None:
     """(kind, weight, scales or None, group size) of a projection held in panels the fused step multiplies: the
-    packed float layout, or quantised panels the planner serves decode sizes from; None otherwise."""
-    if getattr(lin, "layout", None) == "pk" and lin.weight.dtype in packed_gemm.DTYPES:
-        return (W_BF16 if lin.weight.dtype == torch.bfloat16 else W_F32), lin.weight, None, 0
+    packed float layout (its only copy, or one kept beside a BLAS layout for the decode bucket), or quantised
+    panels the planner serves decode sizes from; None otherwise."""
+    if isinstance(lin, cpu_gemm.Linear):
+        pk = lin.panels
+        if pk is not None and lin.forms[0] == "pk" and pk.dtype in packed_gemm.DTYPES:
+            return (W_BF16 if pk.dtype == torch.bfloat16 else W_F32), pk, None, 0
+        return None
     panels = getattr(lin, "panels", None)
     if panels is not None and lin.forms[0] == "panels":
         return (W_I4 if panels.fmt == "int4" else W_I8), panels.codes, panels.scales, panels.group_size

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, packed_gemm
+from kernels import cpu_gemm, decode_step, packed_gemm
 from kernels.cpu_gemm import Linear
 
 needs_packed = pytest.mark.skipif(not packed_gemm.available(), reason="no AVX2+FMA CPU or no C compiler")
@@ -35,6 +35,32 @@ def test_every_form_matches_f_linear(layout, form, bias, m):
     assert lin.out_features == 24
 
 
+@needs_packed
+@pytest.mark.parametrize("pk_at_decode", [1.1, 2.0])
+def test_a_blas_layout_keeps_panels_for_the_decode_bucket_when_they_are_near_the_best(monkeypatch, pk_at_decode):
+    """The fused decode step needs every projection in panels: where a BLAS layout wins the larger buckets and
+    the packed kernel is within FUSED_STEP_MARGIN of the best at decode sizes, the decode bucket is served by a
+    second, packed copy; further off, the BLAS layout serves every bucket alone."""
+    def fake_time(lin, x, scratch):  # the packed kernel slower at prefill sizes, near (or far) at decode sizes
+        if lin.layout == "pk":
+            return pk_at_decode if x.shape[0] <= cpu_gemm.BUCKET_LIMITS[0] else 2.0
+        return 1.0 if lin.forms[0] == "xw" else 1.5
+
+    monkeypatch.setattr(cpu_gemm, "_time", fake_time)
+    n = 40 if pk_at_decode < 1.5 else 41  # a shape of its own per case: plans are cached per shape
+    w = torch.randn(n, 32, generator=torch.Generator().manual_seed(n))
+    lin = cpu_gemm.plan(w)
+    assert lin.layout in ("oi", "io") and lin.forms[1:] == ("xw",) * 3
+    near = pk_at_decode <= cpu_gemm.FUSED_STEP_MARGIN
+    assert lin.forms[0] == ("pk" if near else "xw") and (lin.panels is not None) == near
+    assert (decode_step._panels(lin) is not None) == near
+    for m in (3, 50):  # the decode bucket from the panels, the others from the BLAS layout: the same product
+        x = torch.randn(m, 32)
+        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        out = torch.ones(m, n)
+        torch.testing.assert_close(lin.add_to(out, x), F.linear(x, w) + 1.0, rtol=1e-5, atol=1e-5)
+
+
 def test_bucket_bounds():
     assert [cpu_gemm._bucket(m) for m in (1, 16, 17, 128, 129, 512, 513, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
@@ -47,7 +73,8 @@ def test_plan_keeps_one_copy_and_tied_rows():
     torch.testing.assert_close(tied.rows(ids), w[ids], rtol=0, atol=0)
     free = cpu_gemm.plan(w)
     assert free.layout in ("oi", "io", "pk") and len(free.forms) == len(cpu_gemm.PROBE_M)
-    assert set(free.forms) <= ({"pk"} if free.layout == "pk" else {"xw", "wx"})
+    assert set(free.forms[1:]) <= ({"pk"} if free.layout == "pk" else {"xw", "wx"})
+    assert (free.panels is not None) == ("pk" in free.forms)  # a BLAS layout may keep panels for decode sizes
     x = torch.randn(20, 32)
     torch.testing.assert_close(free(x), F.linear(x, w))
     torch.testing.assert_close(free.rows(ids), w[ids], rtol=0, atol=0)
