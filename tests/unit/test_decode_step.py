@@ -58,8 +58,9 @@ def packed_runner(path, head: bool = True, **kw) -> ModelRunner:
     lm_head = runner.model.lm_head
     if head:
         _pack(lm_head)
-    elif lm_head.layout == "pk":  # a plain [out, in] weight through torch's matmul
+    else:  # a plain [out, in] weight through torch's matmul (no panels for the decode bucket either)
         lm_head.weight, lm_head.layout, lm_head.forms = lm_head.w_oi.contiguous(), "oi", ("xw",) * len(lm_head.forms)
+        lm_head.decode_panels = None
     runner.model.use_decode_step(True)
     return runner
 
