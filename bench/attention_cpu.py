@@ -18,6 +18,8 @@ Variants:
 and the same values in other caches, the ratios against int8-c:
   int8-torch    the torch path: block gather, rows unpacked to float32 (``kv_quant.widen``), SDPA
   int8-c        the C kernel reading the int8 rows in place (codes widened in registers)
+  fp8-c         the C kernel reading float8 e4m3 rows of the same keys and values in place (one float16
+                conversion per 8 or 16 codes)
   bf16-c        the C kernel on a bfloat16 cache
   f32-c         the C kernel on a float32 cache
 """
@@ -134,6 +136,12 @@ def int8_case(nseq: int, lmax: int, rng: np.random.Generator) -> dict[str, float
     for name, fn in variants.items():
         tol = 3e-2 if name == "bf16-c" else 1e-4
         torch.testing.assert_close(fn(), expected, atol=tol, rtol=tol)
+    if cpu_attention.available():  # float8 rows hold other values: checked against the reference on them
+        kf8, vf8 = kv_quant.pack(kf, kv_quant.FP8_ROWS), kv_quant.pack(vf, kv_quant.FP8_ROWS)
+        want8 = reference.paged_attention(q, kf8, vf8, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                          scale)
+        variants["fp8-c"] = kernel(kf8, vf8)
+        torch.testing.assert_close(variants["fp8-c"](), want8, atol=1e-4, rtol=1e-4)
     return {name: timeit(fn) for name, fn in variants.items()}
 
 

@@ -39,6 +39,7 @@ VARIANTS: dict[str, dict] = {
     "gguf-auto": {"dtype": "float32", "quantization": "auto"},
     "kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
+    "kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},
 }
 TARGETS = {"int8": 0.01, "int4-g32": 0.06, "int4-g64": 0.06, "kv-int8": 0.01}  # relative perplexity increase allowed
 PROMPTS = (

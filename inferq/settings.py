@@ -97,12 +97,13 @@ class Settings(BaseSettings):
     quantization_group_size: Literal[32, 64, 128, 256] = Field(
         32, description="Inputs per int4 scale/zero-point group.")
     kv_cache_memory: str = Field("1GiB", description="KV-cache pool size, e.g. 2GiB.")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3"] = Field(
         "auto", description="KV-cache element type; auto = the model's dtype. bfloat16 with a float32 model "
         "halves the cache (twice the tokens per budget, faster decode attention on CPU) at the cost of exact "
         "agreement with a float32 reference. int8 (CPU): each (token, head) row as int8 codes with its own "
-        "scale, ~1.9x the tokens of bfloat16 per budget; attention widens rows as it gathers them (the torch "
-        "path; `python -m bench quality` measures the cost).")
+        "scale, ~1.9x the tokens of bfloat16 per budget, read in place by the C attention kernels. fp8_e4m3 (CPU): "
+        "the same rows with float8 e4m3 codes (finer near zero, coarser at the top; `python -m bench quality` "
+        "measures the cost of each).")
     kv_cache_prefault: bool = Field(
         False, description="Touch every page of the KV-cache pool at start-up (CPU), so no step pays the page "
         "faults of first use: measured ~3 s per GiB on a VM here, otherwise spread over the first busy minutes.")

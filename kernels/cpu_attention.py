@@ -2,7 +2,7 @@
 
 Why: the torch path must first gather every sequence's blocks into a padded copy and run SDPA over it (a
 write and two more reads of all the context); these C kernels read each sequence's K and V once, block by
-block, where they lie, and compute in float32 whatever the cache dtype (float32, bfloat16, or the int8 rows of
+block, where they lie, and compute in float32 whatever the cache dtype (float32, bfloat16, or the int8 / float8 e4m3 rows of
 :mod:`kernels.kv_quant`: codes widened in registers, each row's scale applied once per row). Sources:
 ``csrc/decode_attention.c``, ``csrc/prefill_attention.c`` (one library), built by :mod:`kernels.native`; where
 that fails :func:`load` returns None and the torch backend keeps its pure-torch path.
@@ -53,8 +53,9 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [ctypes.c_int]
         getattr(lib, name).restype = None
     for name, argtypes in (("decode_f32", _ARGTYPES), ("decode_bf16", _ARGTYPES), ("decode_i8", _ARGTYPES),
-                           ("prefill_f32", _PREFILL_ARGTYPES), ("prefill_bf16", _PREFILL_ARGTYPES),
-                           ("prefill_i8", _PREFILL_ARGTYPES)):
+                           ("decode_f8", _ARGTYPES), ("prefill_f32", _PREFILL_ARGTYPES),
+                           ("prefill_bf16", _PREFILL_ARGTYPES), ("prefill_i8", _PREFILL_ARGTYPES),
+                           ("prefill_f8", _PREFILL_ARGTYPES)):
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_int
     log.debug("CPU attention kernels loaded (vector path: %s, AVX-512: %s)", bool(lib.has_simd()),
@@ -101,19 +102,19 @@ def use_generic(on: bool) -> None:
 
 
 _KERNELS = {torch.float32: ("decode_f32", "prefill_f32"), torch.bfloat16: ("decode_bf16", "prefill_bf16"),
-            torch.int8: ("decode_i8", "prefill_i8")}
+            torch.int8: ("decode_i8", "prefill_i8"), kv_quant.FP8_ROWS: ("decode_f8", "prefill_f8")}
 
 
 def _row_fits(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the cache's rows hold the query's head dim D: D values, or in an int8 cache D codes and the
-    row's scale (:mod:`kernels.kv_quant`)."""
+    """Whether the cache's rows hold the query's head dim D: D values, or in an int8 / float8 cache D codes and
+    the row's scale (:mod:`kernels.kv_quant`)."""
     d = query.shape[-1]
-    return k_cache.shape[-1] == (kv_quant.row_width(d) if k_cache.dtype == torch.int8 else d)
+    return k_cache.shape[-1] == (kv_quant.row_width(d) if kv_quant.is_quantized(k_cache.dtype) else d)
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` handles these tensors (CPU, a float32/bfloat16 cache or one of int8 rows
-    ``D + 4`` wide, dense rows)."""
+    """Whether :func:`decode_attention` handles these tensors (CPU, a float32/bfloat16 cache or one of int8 or
+    float8 rows ``D + 4`` wide, dense rows)."""
     if query.device.type != "cpu" or k_cache.device.type != "cpu":
         return False
     if k_cache.dtype not in _KERNELS or not _row_fits(query, k_cache):

@@ -38,12 +38,13 @@ SCRATCH_BYTES = 64 << 20  # more than the last-level cache of the CPUs seen here
 # probe time (measured: the same shape planned to MKL in one load and to pk in the next on a busy 2-core
 # VM), while pk never repacks and was at least as fast on every layer shape measured on a quiet one.
 PACKED_BIAS = 0.85
-# A float32 weight whose best layout is a BLAS one keeps a second copy in the packed layout for the decode
-# bucket when the packed kernel is within this of the best form there: the fused decode step
-# (kernels/decode_step.py) runs only where every projection is in panels, and it is worth 1.23-1.40x a whole
-# small step (docs/BENCHMARKS.md), more than a product's own difference. Measured on an AMX Xeon: MKL won
-# SmolLM2's gate_up (3072x576) by 1.3-1.4x at prefill sizes and tied at M = 8, so the single layout was MKL's
-# and single-stream float32 decode ran op by op (35 tok/s against llama.cpp's 39).
+# A float32 or bfloat16 weight whose best layout is another one (a BLAS layout, or "pd") keeps a second copy
+# in the packed layout for the decode bucket when the packed kernel is within this of the best form there: the
+# fused decode step (kernels/decode_step.py) runs only where every projection is in panels, and it is worth
+# 1.23-1.40x a whole small step (docs/BENCHMARKS.md), more than a product's own difference. Measured on an AMX
+# Xeon: MKL won SmolLM2's gate_up (3072x576) by 1.3-1.4x at prefill sizes and tied at M = 8, so the single
+# layout was MKL's and single-stream float32 decode ran op by op (35 tok/s against llama.cpp's 39); bfloat16
+# (oneDNN's AMX GEMM or "pd" at the larger buckets) likewise never reached the fused step.
 FUSED_STEP_MARGIN = 1.35
 
 _plans: dict[tuple, tuple[str, tuple[str, ...]]] = {}
@@ -63,8 +64,9 @@ class Linear:
     packed ``[ceil(out/16), in, 16]`` ("pk", :mod:`kernels.packed_gemm`), or packed in k pairs
     ``[ceil(out/16), in/2, 16, 2]`` ("pd", bfloat16); ``forms[b]`` is "xw" (``x @ W^T``, one GEMM writing
     rows), "wx" (``W @ x^T``, a GEMM writing columns, then transposed back), or "pk" / "pd" (the packed
-    kernels; the only form of their layouts) for M bucket b. ``decode_panels``: a second copy of a BLAS-layout
-    weight packed as "pk", which the "pk" form of the decode bucket reads (:func:`plan` says when it keeps one)."""
+    kernels; the only form of their layouts) for M bucket b. ``decode_panels``: a second copy of a BLAS- or
+    "pd"-layout weight packed as "pk", which the "pk" form of the decode bucket reads (:func:`plan` says when it
+    keeps one)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -201,9 +203,8 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
             chosen = (score, layout, forms)  # type: ignore[assignment]
     assert chosen is not None
     layout, forms = chosen[1], chosen[2]
-    if (dt == torch.float32 and "pk" in layouts and layout != "pk"
-            and best["pk", "pk", 0] <= FUSED_STEP_MARGIN * floor[0]):
-        forms = ("pk", *forms[1:])  # plan() keeps the panels beside the BLAS layout
+    if "pk" in layouts and layout != "pk" and best["pk", "pk", 0] <= FUSED_STEP_MARGIN * floor[0]:
+        forms = ("pk", *forms[1:])  # plan() keeps the panels beside the chosen layout
     return layout, forms  # type: ignore[return-value]
 
 

@@ -4,15 +4,26 @@ dispatch or a ctypes call, a fork and join of the team, and the Python between t
 
 Why: at batch 1 a step's floor is reading every weight once (SmolLM2-135M float32: 538 MB); the op-by-op
 forward adds its per-op costs on top (docs/BENCHMARKS.md, "Single-stream decode"). The C step chains the same
-kernels the separate calls run, in the same order, so its output is bit-identical to theirs.
+kernels the separate calls run, in the same order, so its output is bit-identical to theirs (a float32 model's;
+a bfloat16 model's below).
 
 When :meth:`DecodeStep.for_model` returns one and :meth:`DecodeStep.applies` holds (worker/model.py asks each
-step): a CPU model in float32 arithmetic whose every projection is in panels (the packed float32 or bfloat16
-layout, or the quantised int8/int4 panels where the planner serves decode sizes from them), interleaved RoPE (the float32 forward's), no tensor parallelism, a float32 or bfloat16 KV cache, and a
-step of at most ``MAX_ROWS`` tokens (the GEMM planner's decode-sized bucket: above it a step's per-op costs are
-a small share, and the small ops here are computed by every thread): decodes, and chunks of several tokens (speculative
-proposals, short prefills) where the prefill kernel reads the cache. Anything else runs op by op. Where the LM
+step): a CPU model in float32 or bfloat16 arithmetic whose every projection is in panels (the packed float32 or
+bfloat16 layout, or the quantised int8/int4 panels where the planner serves decode sizes from them), no tensor
+parallelism, a float32 or bfloat16 KV cache, and a step of at most ``MAX_ROWS`` tokens (the GEMM planner's
+decode-sized bucket: above it a step's per-op costs are a small share, and the small ops here are computed by
+every thread): decodes, and chunks of several tokens (speculative proposals, short prefills) where the prefill
+kernel reads the cache. Anything else runs op by op. Where the LM
 head is in panels too, the final norm and the head run in the same call (one fork of the team less per step).
+
+A bfloat16 model (a CPU with native bfloat16 matmul, worker/model.py) has its step computed in float32: the
+caller widens the embedded rows, the bfloat16 panels are widened as they load (as under float32 arithmetic with
+bfloat16 weights), the norms' weights are widened once here, RoPE takes the rotate-half form of the checkpoint's
+q/k order with float32 cos and sin, and the keys and values are rounded to the bfloat16 cache as op by op. So
+its logits are more precise than, and not bit-identical to, its op-by-op forward, which rounds to bfloat16
+after every op. Why accept that: at decode sizes the step is bound by reading the weights, not by arithmetic,
+and op by op a bfloat16 model decoded no faster than float32 (36 against 35 tok/s, AMX Xeon); and a bfloat16
+model's results already depend on the batch size (each bucket's GEMM form rounds differently).
 """
 
 
@@ -30,6 +41,7 @@ SOURCES = ("decode_step.c", "packed_gemm.c", "quant_gemm.c", "decode_attention.c
            "rms_norm.c", "rope.c", "activation.c")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 W_F32, W_BF16, W_I8, W_I4 = range(4)  # decode_step.c's panel kinds
+DTYPES = (torch.float32, torch.bfloat16)  # the models' arithmetic it takes (bfloat16: computed in float32)
 MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
 ELEM = {torch.float32: 0, torch.bfloat16: 1}  # simd.h's ELEM_F32, ELEM_BF16
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -48,7 +60,7 @@ class _Args(ctypes.Structure):
     _fields_ = [("layers", _P), ("L", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("inter", _I),
                 ("kv_kind", _I), ("bs", _I), ("c_bs", _I64), ("c_ts", _I64), ("c_hs", _I64),
                 ("eps", _F), ("scale", _F), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
-                ("rot", _P), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
+                ("rot", _P), ("rope_half", _I), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
                 ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P),
                 ("final_norm", _P), ("head", _Proj), ("V", _I), ("R", _I), ("rows", _P), ("logits", _P)]
 
@@ -93,10 +105,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.float().contiguous()
-
-
 class DecodeStep:
     """The argument block of one model's layers and KV caches, filled once; :meth:`run` sets the step's inputs."""
 
@@ -105,18 +113,15 @@ class DecodeStep:
         self.lib = lib
         self.kv_caches = kv_caches
         self.steps = 0  # fused steps run (tests check the path was taken)
-        self._keep: list[torch.Tensor] = []  # float32 biases made here, alive as long as the pointers are
+        self._keep: list[torch.Tensor] = []  # float32 biases and norm weights, alive as long as the pointers are
         layers = (_Layer * len(model.layers))()
         # an early-exit draft (worker/draft.py) has fewer layers than the caches
         for slot, layer, (k, v) in zip(layers, model.layers, kv_caches[:len(model.layers)], strict=True):
             for name in PROJECTIONS:
                 lin = getattr(layer, name)
-                bias = _float_bias(lin.bias)
-                if bias is not None:
-                    self._keep.append(bias)
                 kind, w, scales, group = _panels(lin)  # type: ignore[misc]
-                setattr(slot, name, _Proj(w.data_ptr(), _ptr(bias), _ptr(scales), kind, group))
-            slot.input_norm, slot.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+                setattr(slot, name, _Proj(w.data_ptr(), self._float_ptr(lin.bias), _ptr(scales), kind, group))
+            slot.input_norm, slot.post_norm = self._float_ptr(layer.input_norm), self._float_ptr(layer.post_norm)
             slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
         self._layers = layers
         k0 = kv_caches[0][0]
@@ -129,28 +134,37 @@ class DecodeStep:
         self.args = _Args(ctypes.cast(layers, _P), len(model.layers), c.hidden_size, c.num_heads, c.num_kv_heads,
                           c.head_dim, inter, ELEM[k0.dtype], k0.shape[1], *k0.stride()[:3], c.rms_norm_eps, model.scale,
                           qkv, attn, gu)
+        self.args.rope_half = not model._complex_rope  # the bfloat16 forward keeps the checkpoint's q/k order
         self.has_head = self._set_head(model)
+
+    def _float_ptr(self, t: torch.Tensor | None) -> int | None:
+        """The address of ``t`` as float32 rows (a bias, or a bfloat16 model's norm weight: a copy, kept)."""
+        if t is None:
+            return None
+        t = t.float().contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
 
     def _set_head(self, model) -> bool:
         """Point the step at the final norm and the LM head where the head is in panels (its logits then come
         out of :meth:`run`); else the caller runs them."""
         head = _panels(model.lm_head)
-        if head is None or model.norm.dtype != torch.float32:
+        if head is None or model.norm.dtype != model.dtype:
             return False
         kind, w, scales, group = head
-        bias = _float_bias(model.lm_head.bias)
-        if bias is not None:
-            self._keep.append(bias)
-        self.args.final_norm = model.norm.data_ptr()
-        self.args.head = _Proj(w.data_ptr(), _ptr(bias), _ptr(scales), kind, group)
+        self.args.final_norm = self._float_ptr(model.norm)
+        self.args.head = _Proj(w.data_ptr(), self._float_ptr(model.lm_head.bias), _ptr(scales), kind, group)
         self.args.V = model.lm_head.out_features
         return True
 
     @staticmethod
     def for_model(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeStep | None:
         """The fused step for ``model`` over ``kv_caches``, or None where it does not apply (module docstring)."""
-        if (model.device.type != "cpu" or model.dtype != torch.float32 or not model._complex_rope
-                or model._c_ops is None or model.all_reduce is not None or not model.layers):
+        # A bfloat16 model too: its step is then computed in float32, more precise than its op-by-op forward
+        # and not bit-identical to it (module docstring). RoPE in the form its q/k rows take (interleaved for
+        # float32, rotate-half for bfloat16).
+        if (model.device.type != "cpu" or model.dtype not in DTYPES or model._c_ops is None
+                or model.all_reduce is not None or not model.layers):
             return None
         k0 = kv_caches[0][0] if kv_caches else None
         if k0 is None or k0.dtype not in ELEM or k0.stride(-1) != 1:
@@ -161,7 +175,7 @@ class DecodeStep:
         for layer in model.layers:
             if any(_panels(getattr(layer, name)) is None for name in PROJECTIONS):
                 return None
-            if layer.input_norm.dtype != torch.float32 or layer.post_norm.dtype != torch.float32:
+            if layer.input_norm.dtype != model.dtype or layer.post_norm.dtype != model.dtype:
                 return None
         lib = load()
         return None if lib is None else DecodeStep(model, kv_caches, lib)
@@ -173,9 +187,9 @@ class DecodeStep:
                 and (meta.num_decodes == meta.num_seqs or self.chunks))
 
     def run(self, x: torch.Tensor, rot: torch.Tensor, meta, rows: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Every layer over ``x`` (float32 ``[M, H]``, dense; updated in place to the last residual stream): rot
-        ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots, block tables and lengths
-        from ``meta`` (the leading decodes, then the chunks of several tokens). Where :attr:`has_head`, the logits
+        """Every layer over ``x`` (float32 ``[M, H]``, dense, whatever the model's dtype; updated in place to the
+        last residual stream): rot ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots,
+        block tables and lengths from ``meta`` (the leading decodes, then the chunks of several tokens). Where :attr:`has_head`, the logits
         (float32 ``[len(rows), vocab]``, or every row's where ``rows`` is None) too; else None."""
         assert x.dtype == torch.float32 and x.is_contiguous() and rot.is_contiguous()  # the C side's row strides
         plan = meta.cache.get("decode_step")

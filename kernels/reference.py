@@ -42,10 +42,10 @@ def write_kv_cache(
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Fresh keys or values in the cache's element type: int8 rows with their scales (kernels/kv_quant.py), or
-    rounded to a narrower float."""
-    if dtype == torch.int8:
-        return kv_quant.pack(x)
+    """Fresh keys or values in the cache's element type: int8 or float8 rows with their scales
+    (kernels/kv_quant.py), or rounded to a narrower float."""
+    if kv_quant.is_quantized(dtype):
+        return kv_quant.pack(x, dtype)
     return x if x.dtype == dtype else x.to(dtype)
 
 

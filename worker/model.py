@@ -297,6 +297,12 @@ class CausalLM:
             return cos.index_select(0, positions), sin
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
+    def _rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[T, D/2, (cos, sin)]`` rows of ``positions`` for the fused step of a bfloat16 model (its
+        own tables are rounded to bfloat16); a few rows, computed as the tables are."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return torch.stack((freqs.cos(), freqs.sin()), dim=-1)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (self._c_ops is not None and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
                 and weight.dtype == x.dtype):
@@ -314,7 +320,7 @@ class CausalLM:
         page now (CPU) rather than on first use inside a step."""
         c = self.config
         dtype = dtype or self.dtype
-        row = kv_quant.row_width(c.head_dim) if dtype == torch.int8 else c.head_dim  # int8: codes + scale
+        row = kv_quant.row_width(c.head_dim) if kv_quant.is_quantized(dtype) else c.head_dim  # codes + scale
         shape = (num_blocks, block_size, c.num_kv_heads, row)
         if self.device.type == "cpu":  # 2 MiB pages: fewer TLB misses for scattered block reads
             return [(hugepages.zeros(shape, dtype, prefault), hugepages.zeros(shape, dtype, prefault))
@@ -331,7 +337,7 @@ class CausalLM:
         c = self.config
         dtype = dtype or self.dtype
         elem = torch.empty((), dtype=dtype).element_size()
-        row = kv_quant.row_width(c.head_dim) if dtype == torch.int8 else c.head_dim
+        row = kv_quant.row_width(c.head_dim) if kv_quant.is_quantized(dtype) else c.head_dim
         return 2 * c.num_layers * block_size * c.num_kv_heads * row * elem
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -363,9 +369,12 @@ class CausalLM:
         residual = x
         fused = self._fused_step(kv_caches, meta, t, backend)
         if fused is not None:  # every layer (and the head, where in panels) in one C call (kernels/decode_step.py)
+            if rot is None:  # bfloat16: the step computes in float32 (the rotate-half form, same rows)
+                x, rot = x.float(), self._rope_rows(positions)
             logits = fused.run(x, rot, meta, logits_indices)  # rot: the C RoPE's (cos, sin) rows
             if logits is not None:
                 return logits
+            residual = x = x.to(self.dtype)
         h = self._norm(x, self.layers[0].input_norm) if self.layers and fused is None else x
         for i, layer in enumerate(self.layers if fused is None else ()):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]

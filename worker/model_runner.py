@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from inferq.log import get_logger
+from kernels import kv_quant
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 from kernels.backend import get_backend
 from scheduler.request import Request
@@ -119,12 +120,16 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quant
 
 
 def _kv_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's element type: the model's (auto), a float type, or int8 (rows with their scales,
-    kernels/kv_quant.py)."""
+    """The KV cache's element type: the model's (auto), a float type, or int8 / fp8_e4m3 (rows with their
+    scales, kernels/kv_quant.py; float8 rows are stored as uint8)."""
     if name in ("auto", None):
         return model_dtype
     if name in ("int8", torch.int8):
         return torch.int8
+    if name in ("fp8_e4m3", kv_quant.FP8_ROWS):
+        if device.type != "cpu":
+            raise ValueError("kv_cache_dtype fp8_e4m3 runs on CPU only")
+        return kv_quant.FP8_ROWS
     return resolve_dtype(name, device)
 
 

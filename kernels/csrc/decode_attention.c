@@ -1,7 +1,7 @@
 /* Batched decode attention straight from the paged KV cache: one query token per sequence against its first
    lens[s] cached positions, K and V read once, block by block, where they lie (no gather into a padded copy),
    softmax and sums in float32 whatever the cache element type (float32: decode_f32, bfloat16: decode_bf16,
-   int8 rows of codes and a scale: decode_i8). Work items are shared out over torch's OpenMP threads.
+   int8 or float8 e4m3 rows of codes and a scale: decode_i8, decode_f8). Work items are shared out over torch's OpenMP threads.
 
    int8 rows (kernels/kv_quant.py) are read as they lie, never unpacked to memory: the codes are widened in
    registers, a score is the dot product with the codes times the K row's scale (one multiply per row, not per
@@ -12,7 +12,7 @@
    to 128, power-of-two blocks), and, where built, AVX-512 work items for head dims that are multiples of 16.
    set_generic / set_avx512 force a path at run time (tests, side-by-side timings). The paths share the argument
    block, the passes and the output step, hence one file of ~650 lines; the element kind (ELEM_F32 / ELEM_BF16 /
-   ELEM_I8 of simd.h) is a compile-time constant of every inlined helper, one copy of each path per kind. */
+   ELEM_I8 / ELEM_F8 of simd.h) is a compile-time constant of every inlined helper, one copy of each path per kind. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -131,6 +131,10 @@ static void generic_item_i8(const decode_args* a, int s, int h, float* sc, float
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
     generic_item(ELEM_I8, &l, s, h, sc, acc);
 }
+static void generic_item_f8(const decode_args* a, int s, int h, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    generic_item(ELEM_F8, &l, s, h, sc, acc);
+}
 
 /* The portable items, shared over the team of the enclosing parallel region (an orphaned omp for, ending in
    its barrier); *err gets 2 where this thread's scratch could not be allocated. */
@@ -148,6 +152,7 @@ static void generic_share(int kind, const decode_args* a, int* err) {
         const int s = (int)(i / Hkv), h = (int)(i % Hkv);
         if (a->lens[s] <= 0) continue;
         if (kind == ELEM_I8) generic_item_i8(a, s, h, sc, acc);
+        else if (kind == ELEM_F8) generic_item_f8(a, s, h, sc, acc);
         else if (kind == ELEM_BF16) generic_item_bf16(a, s, h, sc, acc);
         else generic_item_f32(a, s, h, sc, acc);
     }
@@ -232,7 +237,7 @@ ALWAYS_INLINE void scores_avx2(const int KIND, const decode_args* a, const float
         for (int h = h0; h < h1; h++) {
             const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, KIND);
             /* int8: the 8 rows' scales times the softmax scale, lane t for row t */
-            const __m256 ks = KIND == ELEM_I8 ? _mm256_mul_ps(row_scales8(k0, roff, a->D, KIND), vscale) : vscale;
+            const __m256 ks = scaled_rows(KIND) ? _mm256_mul_ps(row_scales8(k0, roff, a->D, KIND), vscale) : vscale;
             for (int g = 0; g < G; g++) {
                 const int j = (h - h0) * G + g;
                 const float* qg = q + (int64_t)(h * G + g) * a->q_hs;
@@ -288,12 +293,12 @@ ALWAYS_INLINE void vsum_avx2(const int KIND, const decode_args* a, const int32_t
         prefetch_rows(c->v, c, bt, (b + PF_CHUNKS) * 8, len, (int)(c->c_ts * es), es);
         for (int h = h0; h < h1; h++) {
             const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, KIND);
-            if (KIND == ELEM_I8)
+            if (scaled_rows(KIND))
                 for (int t = 0; t < n; t++) vs[t] = row_scale(elem_at(v0, roff[t], KIND), D, KIND);
             for (int g = 0; g < G; g++) {
                 const int j = (h - h0) * G + g;
                 const float* w = sc + (int64_t)j * lpad + b * 8;
-                if (KIND == ELEM_I8) {
+                if (scaled_rows(KIND)) {
                     for (int t = 0; t < n; t++) ws[t] = w[t] * vs[t];
                     w = ws;
                 }
@@ -329,6 +334,10 @@ static void item_avx2_bf16(const decode_args* a, int s, int h0, int h1, float* s
 static void item_avx2_i8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
     item_avx2(ELEM_I8, &l, s, h0, h1, sc, acc);
+}
+static void item_avx2_f8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item_avx2(ELEM_F8, &l, s, h0, h1, sc, acc);
 }
 
 #if INFERQ_HAVE_AVX512
@@ -409,7 +418,7 @@ ALWAYS_INLINE void vsum512(const int KIND, const int NG, const int NC, const voi
 /* int8 rows: prefetch the line of the last byte (the scale) of the 8 rows at p0 + pfoff[t], which the loads'
    one-line-per-16-codes prefetches can stop short of */
 ALWAYS_INLINE void prefetch_tails(const int KIND, const void* p0, const int64_t* pfoff, int D) {
-    if (KIND != ELEM_I8) return;
+    if (!scaled_rows(KIND)) return;
     for (int t = 0; t < 8; t++) _mm_prefetch((const char*)p0 + pfoff[t] + D + 3, _MM_HINT_T0);
 }
 
@@ -451,7 +460,7 @@ ALWAYS_INLINE void scores512(const int KIND, const decode_args* a, const float* 
         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
         for (int h = h0; h < h1; h++) {
             const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, KIND);
-            const __m256 ks = KIND == ELEM_I8 ? _mm256_mul_ps(row_scales8(k0, roff, a->D, KIND), vscale) : vscale;
+            const __m256 ks = scaled_rows(KIND) ? _mm256_mul_ps(row_scales8(k0, roff, a->D, KIND), vscale) : vscale;
             if (pf) prefetch_tails(KIND, k0, pfoff, a->D);
             for (int g0 = 0; g0 < G; g0 += 3) {
                 const int ng = G - g0 < 3 ? G - g0 : 3;
@@ -482,7 +491,7 @@ ALWAYS_INLINE void vsum512_item(const int KIND, const decode_args* a, const int3
         const int pf = chunk_rows(c, bt, len, nch, b, roff, pfoff);
         for (int h = h0; h < h1; h++) {
             const void* v0 = elem_at(c->v, (int64_t)h * c->c_hs, KIND);
-            if (KIND == ELEM_I8)
+            if (scaled_rows(KIND))
                 for (int t = 0; t < n; t++) vs[t] = row_scale(elem_at(v0, roff[t], KIND), D, KIND);
             if (pf) prefetch_tails(KIND, v0, pfoff, D);
             for (int g0 = 0; g0 < G; g0 += 3) {
@@ -490,7 +499,7 @@ ALWAYS_INLINE void vsum512_item(const int KIND, const decode_args* a, const int3
                 const int j = (h - h0) * G + g0;
                 const float* w = sc + (int64_t)j * lpad + b * 8;
                 int64_t wstride = lpad;
-                if (KIND == ELEM_I8) {
+                if (scaled_rows(KIND)) {
                     for (int g = 0; g < ng; g++)
                         for (int t = 0; t < n; t++) ws[g * 8 + t] = w[(int64_t)g * lpad + t] * vs[t];
                     w = ws;
@@ -531,6 +540,10 @@ static void item512_i8(const decode_args* a, int s, int h0, int h1, float* sc, f
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
     item512(ELEM_I8, &l, s, h0, h1, sc, acc);
 }
+static void item512_f8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+    const decode_args l = *a; /* a local copy: vector stores cannot alias it */
+    item512(ELEM_F8, &l, s, h0, h1, sc, acc);
+}
 #endif /* INFERQ_HAVE_AVX512 */
 
 /* one vector work item: the AVX-512 form where `wide` (built, enabled, head dim a multiple of 16), else AVX2 */
@@ -539,6 +552,7 @@ static inline void vector_item(int kind, int wide, const decode_args* a, int s, 
 #if INFERQ_HAVE_AVX512
     if (wide) {
         if (kind == ELEM_I8) item512_i8(a, s, h0, h1, sc, acc);
+        else if (kind == ELEM_F8) item512_f8(a, s, h0, h1, sc, acc);
         else if (kind == ELEM_BF16) item512_bf16(a, s, h0, h1, sc, acc);
         else item512_f32(a, s, h0, h1, sc, acc);
         return;
@@ -547,6 +561,7 @@ static inline void vector_item(int kind, int wide, const decode_args* a, int s, 
     (void)wide;
 #endif
     if (kind == ELEM_I8) item_avx2_i8(a, s, h0, h1, sc, acc);
+    else if (kind == ELEM_F8) item_avx2_f8(a, s, h0, h1, sc, acc);
     else if (kind == ELEM_BF16) item_avx2_bf16(a, s, h0, h1, sc, acc);
     else item_avx2_f32(a, s, h0, h1, sc, acc);
 }
@@ -625,8 +640,8 @@ static int decode(int kind, const decode_args* a) {
 
 /* Attention of one query token per sequence: q [S, Hq, D] (sequence and head strides q_ss, q_hs), caches of
    [blocks, bs, Hkv, D] (strides c_bs, c_ts, c_hs), block tables bt (row stride bt_ss), lens[S], out like q.
-   Returns 0, 1 where the shape is not handled, 2 where memory ran out. decode_i8: caches of int8 rows
-   [blocks, bs, Hkv, D + 4] (D codes, then the float32 scale), strides in bytes, D the head dim. */
+   Returns 0, 1 where the shape is not handled, 2 where memory ran out. decode_i8 / decode_f8: caches of int8 /
+   float8 e4m3 rows [blocks, bs, Hkv, D + 4] (D codes, then the float32 scale), strides in bytes, D the head dim. */
 int decode_f32(const float* q, int64_t q_ss, int64_t q_hs, const float* kc, const float* vc, int64_t c_bs,
                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
@@ -649,6 +664,14 @@ int decode_i8(const float* q, int64_t q_ss, int64_t q_hs, const int8_t* kc, cons
     const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
                            o_hs, S, Hq, Hkv, D, max_len, scale};
     return decode(ELEM_I8, &a);
+}
+
+int decode_f8(const float* q, int64_t q_ss, int64_t q_hs, const uint8_t* kc, const uint8_t* vc, int64_t c_bs,
+              int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
+              int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
+    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
+                           o_hs, S, Hq, Hkv, D, max_len, scale};
+    return decode(ELEM_F8, &a);
 }
 
 /* decode_f32 / decode_bf16 / decode_i8 (kind ELEM_F32, ELEM_BF16, ELEM_I8) run by the team of an enclosing parallel

@@ -8,7 +8,8 @@
    whose floor is reading the weights once. Here the team is forked once per step. The arithmetic is the same
    functions the separate calls run (the packed GEMM tiles, rms_norm_f32, rope_interleaved_f32, silu_mul_f32,
    the decode attention kernel), in the same order, so the result is bit-identical to the op-by-op forward
-   (tests/unit/test_decode_step.py). Float32 activations; float32, bfloat16 (widened), int8 or int4 weight panels
+   (tests/unit/test_decode_step.py); a bfloat16 model's step is computed in float32 here (kernels/decode_step.py
+   says why). Float32 activations; float32, bfloat16 (widened), int8 or int4 weight panels
    (kernels/csrc/quant_gemm.c); a float32 or bfloat16 KV cache. The final norm and the LM head run inside the
    same region where the head is in panels too. Built with those kernels' sources into one library
    (kernels/decode_step.py). */
@@ -65,6 +66,7 @@ typedef struct {
     float* x;                   /* [M, H]: the step's tokens embedded in, the last layer's residual stream out */
     int M;
     const float* rot;     /* [M, D/2, 2]: cos and sin of each token's position per frequency */
+    int rope_half;        /* q/k pairs (j, j + D/2), the checkpoint's order (a bfloat16 model's); else interleaved */
     const int64_t* slots; /* [M]: each token's cache slot (block * bs + offset); < 0 writes nothing */
     /* the leading nd sequences decode one token each (rows 0..nd-1) */
     int nd;
@@ -87,6 +89,22 @@ typedef struct {
     const int64_t* rows;
     float* logits;
 } step_args;
+
+/* The rotate-half form of rope_interleaved_f32 (the pairs of a head are (j, j + half)), for a model that keeps
+   the checkpoint's q/k order: the bfloat16 forward's, whose step is computed here in float32. */
+static void rope_half_f32(float* x, int64_t xs, const float* rot, int64_t rs, int T, int heads, int half) {
+    for (int t = 0; t < T; t++) {
+        const float* r = rot + (int64_t)t * rs;
+        for (int h = 0; h < heads; h++) {
+            float* p = x + (int64_t)t * xs + (int64_t)h * 2 * half;
+            for (int j = 0; j < half; j++) {
+                const float a = p[j], b = p[j + half], c = r[2 * j], s = r[2 * j + 1];
+                p[j] = a * c - b * s;
+                p[j + half] = a * s + b * c;
+            }
+        }
+    }
+}
 
 /* The new tokens' keys and values (after RoPE) into their slots, converted to the cache's element type. */
 static void write_kv(const step_args* a, const step_layer* w) {
@@ -162,7 +180,8 @@ int decode_step(const step_args* a) {
 #pragma omp barrier
 #pragma omp single
             {
-                rope_interleaved_f32(a->qkv, nqkv, a->rot, D, M, a->Hq + a->Hkv, D / 2);
+                (a->rope_half ? rope_half_f32 : rope_interleaved_f32)(a->qkv, nqkv, a->rot, D, M, a->Hq + a->Hkv,
+                                                                      D / 2);
                 write_kv(a, w);
             }
             const int e = attend(a, w); /* ends with the team's barrier */

@@ -9,7 +9,7 @@
    zmm-wide where AVX-512 is built and the head dim is a multiple of 16); elsewhere prefill_* return 1 and the
    caller falls back.
 
-   Cache element kinds as in decode_attention.c: float32, bfloat16, and int8 rows (prefill_i8). The narrow ones
+   Cache element kinds as in decode_attention.c: float32, bfloat16, and int8 / float8 rows (prefill_i8, _f8). The narrow ones
    are widened a key chunk at a time into float32 tiles that stay in L1 (see pitem); int8 codes are widened as
    they are, a chunk's 8 K row scales multiply its scores and its 8 V row scales its weights (after they are
    added to the softmax sum), one multiply per row. */
@@ -249,8 +249,8 @@ ALWAYS_INLINE void pitem(const int KIND, const prefill_args* a, int s, int r0, i
             widen_rows(KIND, k0, roff, ND, ktile);
             widen_rows(KIND, v0, roff, ND, vtile);
         }
-        const __m256 ks = KIND == ELEM_I8 ? _mm256_mul_ps(row_scales8(k0, roff, D, KIND), vscale) : vscale;
-        chunk_weights(KIND == ELEM_I8, a, q, kr, ro, kb, first_pos, nr, h, ks, row_scales8(v0, roff, D, KIND), m, l,
+        const __m256 ks = scaled_rows(KIND) ? _mm256_mul_ps(row_scales8(k0, roff, D, KIND), vscale) : vscale;
+        chunk_weights(scaled_rows(KIND), a, q, kr, ro, kb, first_pos, nr, h, ks, row_scales8(v0, roff, D, KIND), m, l,
                       acc, w);
         pvall_f32(nq, ND, vr, ro, w, acc, D);
     }
@@ -276,6 +276,10 @@ static void pitem_bf16(const prefill_args* a, int s, int r0, int nr, int h, floa
 static void pitem_i8(const prefill_args* a, int s, int r0, int nr, int h, float* acc, float* w) {
     const prefill_args l = *a; /* a local copy: vector stores cannot alias it */
     pitem(ELEM_I8, &l, s, r0, nr, h, acc, w);
+}
+static void pitem_f8(const prefill_args* a, int s, int r0, int nr, int h, float* acc, float* w) {
+    const prefill_args l = *a; /* a local copy: vector stores cannot alias it */
+    pitem(ELEM_F8, &l, s, r0, nr, h, acc, w);
 }
 
 /* Shares the items out, last first (the long causal items, late rows of long sequences, balance better first). */
@@ -310,6 +314,7 @@ static int prefill_share(int kind, const prefill_args* a, const int64_t* first) 
         const int h = (int)(local % Hkv), r0 = (int)(local / Hkv) * QB, lq = a->qs[s + 1] - a->qs[s];
         const int nr = lq - r0 < QB ? lq - r0 : QB;
         if (kind == ELEM_I8) pitem_i8(a, s, r0, nr, h, acc, w);
+        else if (kind == ELEM_F8) pitem_f8(a, s, r0, nr, h, acc, w);
         else if (kind == ELEM_BF16) pitem_bf16(a, s, r0, nr, h, acc, w);
         else pitem_f32(a, s, r0, nr, h, acc, w);
     }
@@ -362,8 +367,8 @@ static int prefill(int kind, const prefill_args* a) {
 
 /* Queries q [T, Hq, D] (row and head strides q_ts, q_hs), caches [blocks, bs, Hkv, D] (strides c_bs, c_ts,
    c_hs), block tables bt (row stride bt_ss), S sequences as in prefill_args, out like q. Returns 0, 1 where the
-   shape is not handled (the caller falls back), 2 where memory ran out. prefill_i8: caches of int8 rows
-   [blocks, bs, Hkv, D + 4] (D codes, then the float32 scale), strides in bytes, D the head dim. */
+   shape is not handled (the caller falls back), 2 where memory ran out. prefill_i8 / prefill_f8: caches of int8 /
+   float8 e4m3 rows [blocks, bs, Hkv, D + 4] (D codes, then the float32 scale), strides in bytes, D the head dim. */
 int prefill_f32(const float* q, int64_t q_ts, int64_t q_hs, const float* kc, const float* vc, int64_t c_bs,
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
                 float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
@@ -386,4 +391,12 @@ int prefill_i8(const float* q, int64_t q_ts, int64_t q_hs, const int8_t* kc, con
     const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
                             o_hs, S, Hq, Hkv, D, scale};
     return prefill(ELEM_I8, &a);
+}
+
+int prefill_f8(const float* q, int64_t q_ts, int64_t q_hs, const uint8_t* kc, const uint8_t* vc, int64_t c_bs,
+               int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
+               float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
+    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
+                            o_hs, S, Hq, Hkv, D, scale};
+    return prefill(ELEM_F8, &a);
 }

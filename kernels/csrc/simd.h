@@ -37,12 +37,27 @@
      ELEM_BF16 bfloat16
      ELEM_I8   int8 KV cache rows (kernels/kv_quant.py): D codes, then the row's float32 scale in 4 more bytes.
                The helpers widen the codes only; the scale (row_scale) is applied by the caller, once per row
-               product, not once per element. */
+               product, not once per element.
+     ELEM_F8   float8 e4m3 KV cache rows, laid out as ELEM_I8's. A code widens exactly through float16: its
+               7 magnitude bits shifted into a half's exponent and mantissa give the code's value times 2^-8
+               (subnormals included; F16C's conversion is exact and ignores DAZ), and row_scale folds the 2^8
+               back in, so a widened code costs a shift, an or and one vcvtph2ps. */
 #define ELEM_F32 0
 #define ELEM_BF16 1
 #define ELEM_I8 2
+#define ELEM_F8 3
 
 ALWAYS_INLINE int elem_size(const int kind) { return kind == ELEM_F32 ? 4 : (kind == ELEM_BF16 ? 2 : 1); }
+
+/* Whether rows of this kind carry their own scale (codes, then a float32 scale). */
+ALWAYS_INLINE int scaled_rows(const int kind) { return kind == ELEM_I8 || kind == ELEM_F8; }
+
+/* A float8 e4m3 code's value times 2^-8 (see ELEM_F8), exactly: the portable form of the float16 widening. */
+static inline float f8_scaled(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = e ? (float)(8 + m) * (float)(1 << e) : (float)m * 2.f; /* in units of 2^-18 */
+    return (b & 0x80 ? -v : v) * 3.814697265625e-06f;                       /* 2^-18 */
+}
 
 /* Element i of p, an array of `kind` elements. */
 ALWAYS_INLINE const void* elem_at(const void* p, int64_t i, const int kind) {
@@ -53,19 +68,20 @@ ALWAYS_INLINE const void* elem_at(const void* p, int64_t i, const int kind) {
 ALWAYS_INLINE float load1(const void* p, int64_t i, const int kind) {
     if (kind == ELEM_F32) return ((const float*)p)[i];
     if (kind == ELEM_I8) return (float)((const int8_t*)p)[i];
+    if (kind == ELEM_F8) return f8_scaled(((const uint8_t*)p)[i]);
     const uint32_t u = ((uint32_t)((const uint16_t*)p)[i]) << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-/* The scale of the int8 row at `row` (its D codes, then the float32 scale, unaligned where the rows are); 1 for
-   the float kinds, whose rows are their values. */
+/* The scale of the int8 or float8 row at `row` (its D codes, then the float32 scale, unaligned where the rows
+   are; a float8 row's times 2^8, see ELEM_F8); 1 for the float kinds, whose rows are their values. */
 ALWAYS_INLINE float row_scale(const void* row, int D, const int kind) {
-    if (kind != ELEM_I8) return 1.f;
+    if (!scaled_rows(kind)) return 1.f;
     float s;
     memcpy(&s, (const char*)row + D, 4);
-    return s;
+    return kind == ELEM_F8 ? s * 256.f : s;
 }
 
 /* float32 -> bfloat16, rounded to nearest even (as torch rounds); a NaN stays a (quiet) NaN. */
@@ -79,11 +95,20 @@ ALWAYS_INLINE uint16_t to_bf16(float f) {
 #if INFERQ_HAVE_AVX2
 #include <immintrin.h>
 
-/* 8 values from element i of p (float32, or bfloat16 / int8 codes widened) */
+/* 8 float8 e4m3 codes -> their 8 float16 bit patterns (value times 2^-8, see ELEM_F8) */
+static inline __m128i f8_to_half8(__m128i b8) {
+    const __m128i w = _mm_cvtepu8_epi16(b8);
+    return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
+                        _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+}
+
+/* 8 values from element i of p (float32, or bfloat16 / int8 / float8 codes widened) */
 ALWAYS_INLINE __m256 load8(const void* p, int64_t i, const int kind) {
     if (kind == ELEM_F32) return _mm256_loadu_ps((const float*)p + i);
     if (kind == ELEM_I8) /* one 8-byte load sign-extended (vpmovsxbd folds the load), then converted exactly */
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)p + i))));
+    if (kind == ELEM_F8)
+        return _mm256_cvtph_ps(f8_to_half8(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i))));
     const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -140,9 +165,10 @@ ALWAYS_INLINE __m256 dot8(const float* q, const void* k, const int64_t* roff, in
     return transpose_sum8(a);
 }
 
-/* the scales of the 8 int8 rows at k + roff[t] (all 8 offsets valid), lane t for row t; ones for float rows */
+/* the scales of the 8 int8 / float8 rows at k + roff[t] (all 8 offsets valid), lane t for row t; ones for float
+   rows */
 ALWAYS_INLINE __m256 row_scales8(const void* k, const int64_t* roff, int D, const int kind) {
-    if (kind != ELEM_I8) return _mm256_set1_ps(1.f);
+    if (!scaled_rows(kind)) return _mm256_set1_ps(1.f);
     const char* p = (const char*)k;
     return _mm256_setr_ps(row_scale(p + roff[0], D, kind), row_scale(p + roff[1], D, kind),
                           row_scale(p + roff[2], D, kind), row_scale(p + roff[3], D, kind),
@@ -160,11 +186,17 @@ static inline unsigned int flush_denormals(void) {
 #endif /* INFERQ_HAVE_AVX2 */
 
 #if INFERQ_HAVE_AVX512
-/* 16 values from element i of p (float32, or bfloat16 / int8 codes widened) */
+/* 16 values from element i of p (float32, or bfloat16 / int8 / float8 codes widened) */
 ALWAYS_INLINE __m512 load16(const void* p, int64_t i, const int kind) {
     if (kind == ELEM_F32) return _mm512_loadu_ps((const float*)p + i);
     if (kind == ELEM_I8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)p + i))));
+    if (kind == ELEM_F8) {
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_cvtph_ps(h);
+    }
     const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }

@@ -313,12 +313,12 @@ def test_quality_smoke(tiny, tmp_path):
     and full greedy agreement, every variant gets a finite perplexity, and the targets are reported."""
     from bench import quality
 
-    quality.run(str(tiny), variants=("float32", "int8", "int4-g32", "kv-int8"), quick=True, out=tmp_path)
+    quality.run(str(tiny), variants=("float32", "int8", "int4-g32", "kv-int8", "kv-fp8"), quick=True, out=tmp_path)
     data = json.loads((tmp_path / "quality.json").read_text())
     rows = {r["variant"]: r for r in data["rows"]}
     assert rows["float32"]["kl"] is None and rows["float32"]["greedy_same"] == 1.0
     assert all(r["perplexity"] > 1 and r["perplexity"] < float("inf") for r in rows.values()), rows
-    assert all(rows[v]["kl"] > 0 for v in ("int8", "int4-g32", "kv-int8")), rows
+    assert all(rows[v]["kl"] > 0 for v in ("int8", "int4-g32", "kv-int8", "kv-fp8")), rows
     assert rows["int8"]["weight_mb"] < rows["float32"]["weight_mb"]
     assert {t["target"].split()[0] for t in data["targets"]} == {"int8", "int4-g32", "kv-int8"}
     assert data["text"]["tokens"] > 0 and data["text"]["files"]

@@ -31,22 +31,22 @@ LENGTHS = [1, 2, 15, 16, 17, 31, 33, 64, 100, 257]
 
 
 def _cache(shape, dtype, g):
-    """A random cache in ``dtype``; int8: rows packed as the cache write packs them, with some rows holding one
-    outlier 40x the rest (its scale, and so every other code's step, 40x larger) and some all zero."""
+    """A random cache in ``dtype``; int8 / float8 rows: packed as the cache write packs them, with some rows
+    holding one outlier 40x the rest (its scale, and so every other code's step, 40x larger) and some all zero."""
     x = torch.randn(*shape, generator=g)
-    if dtype != torch.int8:
+    if not kv_quant.is_quantized(dtype):
         return x.to(dtype)
     rows = x.view(-1, shape[-1])
     n = rows.shape[0]
     pick = torch.randint(0, n, (max(1, n // 16),), generator=g)
     rows[pick, torch.randint(0, shape[-1], pick.shape, generator=g)] *= 40.0
     rows[torch.randint(0, n, (max(1, n // 16),), generator=g)] = 0.0
-    return kv_quant.pack(x)
+    return kv_quant.pack(x, dtype)
 
 
 def _widened(cache):
-    """The float32 values a cache holds (int8 rows unpacked)."""
-    return kv_quant.unpack(cache) if cache.dtype == torch.int8 else cache.float()
+    """The float32 values a cache holds (int8 / float8 rows unpacked)."""
+    return kv_quant.unpack(cache) if kv_quant.is_quantized(cache.dtype) else cache.float()
 
 
 def _case(hq, hkv, d, bs, dtype, lens, seed):
@@ -202,7 +202,7 @@ def _check_decode_and_prefill(hq, hkv, d, bs, dtype, prefill=True):
 
 
 @pytest.mark.skipif(not cpu_attention.has_avx512(), reason="only an AVX-512 build has a second vector path")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, kv_quant.FP8_ROWS])
 def test_avx2_build_matches_reference(dtype, monkeypatch):
     """The library built with INFERQ_NO_AVX512 (what an AVX2-only CPU gets): on an AVX-512 machine its prefill
     (ymm q.k and V sums for head dims that are multiples of 16) is otherwise untested."""
@@ -219,15 +219,16 @@ def test_scalar_build_decodes_and_declines_prefill(monkeypatch):
     lib = cpu_attention.build({"INFERQ_NO_AVX2": 1})
     assert lib is not None and not lib.has_simd() and not lib.has_prefill() and not lib.has_avx512()
     monkeypatch.setattr(cpu_attention, "load", lambda: lib)
-    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, kv_quant.FP8_ROWS):
         _check_decode_and_prefill(9, 3, 64, 16, dtype, prefill=False)
     assert not cpu_attention.supports_prefill(torch.zeros(1, 9, 64), torch.zeros(4, 16, 3, 64))
 
 
-# ---- int8 caches: rows of D codes and their float32 scale, read in place ----
+# ---- int8 and float8 e4m3 caches: rows of D codes and their float32 scale, read in place ----
 
-# Unpacked int8 rows are exact float32 values, so kernel and reference differ only in summation order.
+# Unpacked int8 / float8 rows are exact float32 values, so kernel and reference differ only in summation order.
 INT8_TOL = {"atol": 1e-5, "rtol": 1e-5}
+QUANTIZED = pytest.mark.parametrize("qdtype", [torch.int8, kv_quant.FP8_ROWS], ids=["int8", "fp8"])
 
 
 def _decode_on(path, *args):
@@ -245,15 +246,16 @@ def _decode_on(path, *args):
 @pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (64, 32), (80, 16), (16, 16), (32, 8), (48, 16), (8, 4),
                                   (64, 12), (20, 16)])
 @pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
-def test_int8_decode_matches_widened_cache(hq, hkv, d, bs, path):
+@QUANTIZED
+def test_int8_decode_matches_widened_cache(hq, hkv, d, bs, path, qdtype):
     """The int8 kernel on each path (the vector ones for head dims that are multiples of 8 or 16 and power-of-two
     blocks, the portable loops for the rest) against the torch reference, which unpacks the rows first; rows with
     outliers and all-zero rows included."""
     if path == "avx512" and not cpu_attention.has_avx512():
         pytest.skip("no AVX-512 path on this CPU")
     lens = LENGTHS if bs != 12 else [1, 11, 12, 13, 40]
-    query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, torch.int8, lens, seed=d * 7 + bs + hq)
-    assert kc.dtype == torch.int8 and kc.shape[-1] == d + 4 and cpu_attention.supports(query, kc)
+    query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, qdtype, lens, seed=d * 7 + bs + hq)
+    assert kc.dtype == qdtype and kc.shape[-1] == d + 4 and cpu_attention.supports(query, kc)
     got = _decode_on(path, query, kc, vc, tables, seq_lens, max(lens), d ** -0.5)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
     expected = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, d ** -0.5)
@@ -261,10 +263,11 @@ def test_int8_decode_matches_widened_cache(hq, hkv, d, bs, path):
     torch.testing.assert_close(got, expected, **INT8_TOL)
 
 
-def test_int8_decode_equals_the_float_kernel_on_unpacked_rows():
-    """The int8 vector path and the float32 one on the same values (the rows unpacked): one summation order
-    apart at most, and a long context with large scores stays finite."""
-    query, kc, vc, tables, seq_lens = _case(9, 3, 64, 16, torch.int8, [2000, 3, 700], seed=11)
+@QUANTIZED
+def test_int8_decode_equals_the_float_kernel_on_unpacked_rows(qdtype):
+    """The int8 / float8 vector path and the float32 one on the same values (the rows unpacked): one summation
+    order apart at most, and a long context with large scores stays finite."""
+    query, kc, vc, tables, seq_lens = _case(9, 3, 64, 16, qdtype, [2000, 3, 700], seed=11)
     query *= 30.0
     got = cpu_attention.decode_attention(query, kc, vc, tables, seq_lens, 2000, 0.125)
     want = cpu_attention.decode_attention(query, _widened(kc), _widened(vc), tables, seq_lens, 2000, 0.125)
@@ -272,22 +275,25 @@ def test_int8_decode_equals_the_float_kernel_on_unpacked_rows():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
-def test_int8_support_needs_the_scale_bytes():
-    """An int8 cache is taken only with rows of D codes + 4 scale bytes."""
+@QUANTIZED
+def test_int8_support_needs_the_scale_bytes(qdtype):
+    """An int8 / float8 cache is taken only with rows of D codes + 4 scale bytes."""
     query = torch.zeros(2, 9, 64)
-    assert cpu_attention.supports(query, torch.zeros(4, 16, 3, 68, dtype=torch.int8))
-    assert not cpu_attention.supports(query, torch.zeros(4, 16, 3, 64, dtype=torch.int8))
+    assert cpu_attention.supports(query, torch.zeros(4, 16, 3, 68, dtype=qdtype))
+    assert not cpu_attention.supports(query, torch.zeros(4, 16, 3, 64, dtype=qdtype))
     assert not cpu_attention.supports(query, torch.zeros(4, 16, 3, 68))
-    assert cpu_attention.supports_prefill(query, torch.zeros(4, 16, 3, 68, dtype=torch.int8)) == cpu_attention.has_simd()
+    assert cpu_attention.supports_prefill(query, torch.zeros(4, 16, 3, 68, dtype=qdtype)) == cpu_attention.has_simd()
 
 
 @needs_simd
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (14, 2)])
 @pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (80, 4), (16, 32), (48, 16), (24, 8), (8, 8)])
-def test_int8_prefill_matches_widened_cache(hq, hkv, d, bs):
-    """Causal chunks with and without earlier context read from an int8 cache, against the torch reference."""
+@QUANTIZED
+def test_int8_prefill_matches_widened_cache(hq, hkv, d, bs, qdtype):
+    """Causal chunks with and without earlier context read from an int8 / float8 cache, against the torch
+    reference."""
     chunks = [(1, 0), (7, 0), (9, 3), (33, 40), (16, 0), (5, 100)]
-    query, kc, vc, tables, starts, ctx, totals = _prefill_case(hq, hkv, d, bs, torch.int8, chunks, seed=d + hq + 1)
+    query, kc, vc, tables, starts, ctx, totals = _prefill_case(hq, hkv, d, bs, qdtype, chunks, seed=d + hq + 1)
     assert cpu_attention.supports_prefill(query, kc)
     got = cpu_attention.prefill_attention(query, kc, vc, tables, starts, ctx, d ** -0.5)
     expected = reference.paged_attention(query, kc, vc, tables, torch.tensor(totals, dtype=torch.int32), starts,
@@ -295,14 +301,15 @@ def test_int8_prefill_matches_widened_cache(hq, hkv, d, bs):
     torch.testing.assert_close(got, expected, **INT8_TOL)
 
 
-def test_backend_reads_an_int8_cache_with_the_kernels(monkeypatch):
+@QUANTIZED
+def test_backend_reads_an_int8_cache_with_the_kernels(monkeypatch, qdtype):
     """CPUBackend hands an int8 cache to the C kernels (decode; prefill on the vector path) and agrees with its
     torch path, which widens the gathered rows."""
     from kernels.attention_api import AttentionMetadata
     from kernels.backend import CPUBackend
 
     chunks = [(1, 40), (1, 7), (1, 130), (9, 20), (33, 64)]  # three decodes, then two chunks with context
-    query, kc, vc, tables, starts, ctx, totals = _prefill_case(9, 3, 64, 16, torch.int8, chunks, seed=21)
+    query, kc, vc, tables, starts, ctx, totals = _prefill_case(9, 3, 64, 16, qdtype, chunks, seed=21)
     meta = AttentionMetadata.build(slot_mapping=np.zeros(int(starts[-1]), np.int64), block_tables=tables.numpy(),
                                    seq_lens=np.array(totals), query_start_loc=starts.numpy(), block_size=16,
                                    device="cpu", scale=0.125)
@@ -316,9 +323,9 @@ def test_backend_reads_an_int8_cache_with_the_kernels(monkeypatch):
     got = CPUBackend().forward(query, fresh, fresh, kc, vc, meta)
     meta.cache.clear()
     want = CPUBackend(native=False).forward(query, fresh, fresh, kc, vc, meta)
-    expect_calls = [("decode_attention", torch.int8)]
+    expect_calls = [("decode_attention", qdtype)]
     if cpu_attention.has_simd():
-        expect_calls.append(("prefill_attention", torch.int8))
+        expect_calls.append(("prefill_attention", qdtype))
     assert calls == expect_calls
     torch.testing.assert_close(got, want, **INT8_TOL)
 
