@@ -642,37 +642,20 @@ static int decode(int kind, const decode_args* a) {
    [blocks, bs, Hkv, D] (strides c_bs, c_ts, c_hs), block tables bt (row stride bt_ss), lens[S], out like q.
    Returns 0, 1 where the shape is not handled, 2 where memory ran out. decode_i8 / decode_f8: caches of int8 /
    float8 e4m3 rows [blocks, bs, Hkv, D + 4] (D codes, then the float32 scale), strides in bytes, D the head dim. */
-int decode_f32(const float* q, int64_t q_ss, int64_t q_hs, const float* kc, const float* vc, int64_t c_bs,
-               int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
-               int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
-    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
-    return decode(ELEM_F32, &a);
-}
+/* One entry point per cache element type T (kind KIND), the same arguments otherwise. */
+#define DECODE_ENTRY(NAME, T, KIND)                                                                                 \
+    int NAME(const float* q, int64_t q_ss, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs, int64_t c_ts,      \
+             int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out, int64_t o_ss,         \
+             int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {                       \
+        const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out,       \
+                               o_ss, o_hs, S, Hq, Hkv, D, max_len, scale};                                          \
+        return decode(KIND, &a);                                                                                    \
+    }
 
-int decode_bf16(const float* q, int64_t q_ss, int64_t q_hs, const uint16_t* kc, const uint16_t* vc, int64_t c_bs,
-                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
-                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
-    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
-    return decode(ELEM_BF16, &a);
-}
-
-int decode_i8(const float* q, int64_t q_ss, int64_t q_hs, const int8_t* kc, const int8_t* vc, int64_t c_bs,
-              int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
-              int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
-    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
-    return decode(ELEM_I8, &a);
-}
-
-int decode_f8(const float* q, int64_t q_ss, int64_t q_hs, const uint8_t* kc, const uint8_t* vc, int64_t c_bs,
-              int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
-              int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len) {
-    const decode_args a = {q, q_ss, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, lens, out, o_ss,
-                           o_hs, S, Hq, Hkv, D, max_len, scale};
-    return decode(ELEM_F8, &a);
-}
+DECODE_ENTRY(decode_f32, float, ELEM_F32)
+DECODE_ENTRY(decode_bf16, uint16_t, ELEM_BF16)
+DECODE_ENTRY(decode_i8, int8_t, ELEM_I8)
+DECODE_ENTRY(decode_f8, uint8_t, ELEM_F8)
 
 /* decode_f32 / decode_bf16 / decode_i8 (kind ELEM_F32, ELEM_BF16, ELEM_I8) run by the team of an enclosing parallel
    region (kernels/csrc/decode_step.c): every member calls it; it ends with the team's barrier. */

@@ -369,34 +369,17 @@ static int prefill(int kind, const prefill_args* a) {
    c_hs), block tables bt (row stride bt_ss), S sequences as in prefill_args, out like q. Returns 0, 1 where the
    shape is not handled (the caller falls back), 2 where memory ran out. prefill_i8 / prefill_f8: caches of int8 /
    float8 e4m3 rows [blocks, bs, Hkv, D + 4] (D codes, then the float32 scale), strides in bytes, D the head dim. */
-int prefill_f32(const float* q, int64_t q_ts, int64_t q_hs, const float* kc, const float* vc, int64_t c_bs,
-                int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
-                float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
-    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
-                            o_hs, S, Hq, Hkv, D, scale};
-    return prefill(ELEM_F32, &a);
-}
+/* One entry point per cache element type T (kind KIND), the same arguments otherwise. */
+#define PREFILL_ENTRY(NAME, T, KIND)                                                                                \
+    int NAME(const float* q, int64_t q_ts, int64_t q_hs, const T* kc, const T* vc, int64_t c_bs, int64_t c_ts,      \
+             int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx, float* out,     \
+             int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {                      \
+        const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out,    \
+                                o_ts, o_hs, S, Hq, Hkv, D, scale};                                                  \
+        return prefill(KIND, &a);                                                                                   \
+    }
 
-int prefill_bf16(const float* q, int64_t q_ts, int64_t q_hs, const uint16_t* kc, const uint16_t* vc, int64_t c_bs,
-                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
-                 float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
-    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
-                            o_hs, S, Hq, Hkv, D, scale};
-    return prefill(ELEM_BF16, &a);
-}
-
-int prefill_i8(const float* q, int64_t q_ts, int64_t q_hs, const int8_t* kc, const int8_t* vc, int64_t c_bs,
-               int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
-               float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
-    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
-                            o_hs, S, Hq, Hkv, D, scale};
-    return prefill(ELEM_I8, &a);
-}
-
-int prefill_f8(const float* q, int64_t q_ts, int64_t q_hs, const uint8_t* kc, const uint8_t* vc, int64_t c_bs,
-               int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
-               float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale) {
-    const prefill_args a = {q, q_ts, q_hs, make_cache(kc, vc, c_bs, c_ts, c_hs, bs), bt, bt_ss, qs, ctx, out, o_ts,
-                            o_hs, S, Hq, Hkv, D, scale};
-    return prefill(ELEM_F8, &a);
-}
+PREFILL_ENTRY(prefill_f32, float, ELEM_F32)
+PREFILL_ENTRY(prefill_bf16, uint16_t, ELEM_BF16)
+PREFILL_ENTRY(prefill_i8, int8_t, ELEM_I8)
+PREFILL_ENTRY(prefill_f8, uint8_t, ELEM_F8)

@@ -276,18 +276,16 @@ ALWAYS_INLINE void tile512(const int MR, const int WIDE, const char* xc, int64_t
     }
 }
 
-#define TILE_CASE(R)                                                                       \
-    case R:                                                                                \
-        if (wide) tile512(R, 1, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);           \
-        else tile512(R, 0, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);                \
-        break;
+#define TILE tile512
 #else
+#define TILE tile
+#endif
+
 #define TILE_CASE(R)                                                                       \
     case R:                                                                                \
-        if (wide) tile(R, 1, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);              \
-        else tile(R, 0, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);                   \
+        if (wide) TILE(R, 1, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);              \
+        else TILE(R, 0, xc, xs, xd, nb, K, w, ws, y, ys, b, nc, acc, pf);                   \
         break;
-#endif
 
 /* the row count and layout compile-time constants inside each tile (always_inline): one case per count */
 static void tile_rows(int mr, int wide, const char* xc, int64_t xs, const float* xd, int nb, int K, const char* w,

@@ -17,6 +17,7 @@ import torch
 from kernels import cpu_gemm, decode_step, packed_gemm
 from scheduler.request import Request, SamplingParams
 from tests.tiny_models import make_tiny_model
+from worker import model as model_module
 from worker.model_runner import ModelRunner
 
 # where the packed GEMM builds, so must the fused step (a failed build fails here, not skips)
@@ -133,6 +134,95 @@ def test_bfloat16_panels_and_cache(tiny_dirs, monkeypatch):
     for a, b in zip(plain, fused, strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+
+
+def test_a_float32_step_reads_the_models_own_norms_and_interleaved_rope(tiny_dirs):
+    """The float32 path as before the bfloat16 one: no float32 copies of the norms, the interleaved RoPE."""
+    runner = packed_runner(tiny_dirs["llama"])
+    decode_logits(runner, prompts(1), steps=1)
+    model = runner.model
+    step = model._decode_step
+    assert step is not None and step.steps >= 1 and step.args.rope_half == 0
+    assert step.args.final_norm == model.norm.data_ptr()
+    for slot, layer in zip(step._layers, model.layers, strict=True):
+        assert (slot.input_norm, slot.post_norm) == (layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
+
+
+def _decode_panels(lin) -> None:
+    """What the planner keeps where a BLAS layout wins the larger buckets: the weight ``[out, in]`` for them,
+    and a packed copy for the decode bucket."""
+    w = lin.w_oi.contiguous()
+    lin.weight, lin.layout, lin.decode_panels = w, "oi", cpu_gemm.plan(w, packed_only=True).weight
+    lin.forms = ("pk",) + ("xw",) * (len(lin.forms) - 1)
+
+
+def forced_logits(runner, prompts, steps: int, seed: int = 0) -> torch.Tensor:
+    """Like :func:`decode_logits`, but every token fed is drawn at random (the same whatever the logits, so
+    runners that round differently see the same sequences): ``[steps, len(prompts), vocab]``."""
+    rng = random.Random(seed)
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
+    _give_blocks(reqs, max(map(len, prompts)) + steps + 1, runner.num_blocks, seed)
+    for r in reqs:
+        runner.compute_logits([(r, len(r.prompt_token_ids))])
+        r.num_computed_tokens += len(r.prompt_token_ids)
+        r.output_token_ids.append(rng.randrange(3, 200))
+    out = []
+    for _ in range(steps):
+        out.append(torch.stack(runner.compute_logits([(r, 1) for r in reqs])))
+        for r in reqs:
+            r.num_computed_tokens += 1
+            r.output_token_ids.append(rng.randrange(3, 200))
+    return torch.stack(out)
+
+
+def _bf16_rounded_float32_runner(path) -> ModelRunner:
+    """A float32 model whose weights are the bfloat16 model's (rounded to bfloat16), with a bfloat16 cache."""
+    runner = packed_runner(path, dtype="float32", kv_cache_dtype="bfloat16")
+    m = runner.model
+    lins = [getattr(layer, name) for layer in m.layers for name in ("qkv", "o", "gate_up", "down")] + [m.lm_head]
+    tensors = [m.norm, m.embed, *(lin.weight for lin in lins), *(lin.bias for lin in lins if lin.bias is not None),
+               *(t for layer in m.layers for t in (layer.input_norm, layer.post_norm))]
+    for t in tensors:
+        t.copy_(t.bfloat16().float())
+    return runner
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.skipif(not model_module.cpu_half_gemm_is_native(),
+                    reason="a bfloat16 model computes in bfloat16 only where the CPU multiplies it natively")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("head", [True, False])
+def test_bfloat16_arithmetic_model_takes_the_float32_step(tiny_dirs, arch, head):
+    """A bfloat16 model (native bfloat16 matmul) with panels kept for the decode bucket beside a BLAS layout:
+    its small steps (here the prompts too, 16 tokens at most) run fused, in float32. Its logits agree with its
+    op-by-op bfloat16 forward to bfloat16 rounding, and with float32 arithmetic on the same bfloat16 weights and
+    cache far more closely than that forward does (the step is not computed in bfloat16)."""
+    runner = ModelRunner(tiny_dirs[arch], block_size=BLOCK, device="cpu", kv_cache_bytes=1 << 20, dtype="bfloat16")
+    model = runner.model
+    assert model.dtype == torch.bfloat16 and runner.kv_caches[0][0].dtype == torch.bfloat16
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            _decode_panels(getattr(layer, name))
+    if head:
+        _decode_panels(model.lm_head)
+    else:
+        model.lm_head.decode_panels, model.lm_head.forms = None, ("xw",) * len(model.lm_head.forms)
+    short = [p[:decode_step.MAX_ROWS] for p in prompts(3, seed=3)]
+    model.use_decode_step(False)
+    plain = forced_logits(runner, short, steps=6)
+    assert model._decode_step is None
+    model.use_decode_step(True)
+    fused = forced_logits(runner, short, steps=6)
+    assert model._decode_step is not None and model._decode_step.steps == len(short) + 6
+    assert model._decode_step.has_head == head and model._decode_step.args.rope_half == 1
+    assert fused.dtype == torch.float32
+    reference = forced_logits(_bf16_rounded_float32_runner(tiny_dirs[arch]), short, steps=6)
+    assert _rel(fused, plain) < 0.02 and (fused - plain).abs().max() <= 0.03 * plain.abs().max()
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.8
+    assert _rel(fused, reference) < (0.01 if head else 0.5) * _rel(plain, reference)
 
 
 def test_steps_of_too_many_tokens_run_op_by_op(tiny_dirs):
