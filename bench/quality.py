@@ -33,6 +33,7 @@ VARIANTS: dict[str, dict] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8"},
+    "w8a16": {"dtype": "float32", "quantization": "w8a16"},
     "w8a8": {"dtype": "float32", "quantization": "w8a8"},
     "int4-g32": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32},
     "int4-g64": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 64},

@@ -23,10 +23,12 @@ from bench.workloads import mixed
 
 # variant -> InferqOffline options (inferq) or LlamaServer type (llama.cpp)
 INFERQ = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
-          "w8a8": {"quantization": "w8a8"}, "int4": {"quantization": "int4"}, "auto": {"quantization": "auto"}}
+          "w8a16": {"quantization": "w8a16"}, "w8a8": {"quantization": "w8a8"}, "int4": {"quantization": "int4"},
+          "auto": {"quantization": "auto"}, "kv-int8": {"kv_cache_dtype": "int8"},
+          "kv-fp8": {"kv_cache_dtype": "fp8_e4m3"}}
 LLAMA = {"llama-f32": "float32", "llama-q8_0": "q8_0", "llama-q4_0": "q4_0", "llama-gguf-shipped": "gguf-shipped"}
 PAIRS = {"float32": "llama-f32", "int8": "llama-q8_0", "int4": "llama-q4_0", "auto": "llama-gguf-shipped"}
-DEFAULT = ("float32", "bfloat16", "int8", "w8a8", "int4", "auto", *LLAMA)
+DEFAULT = ("float32", "bfloat16", "int8", "w8a16", "w8a8", "int4", "auto", "kv-int8", "kv-fp8", *LLAMA)
 
 
 def _subjects(model_dir: Path, variants, *, threads: int, log):

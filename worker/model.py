@@ -29,7 +29,7 @@ from worker.model_config import (
     load_config,
     parse_config,
 )
-from worker.weights import LayerWeights, load_weights, read_safetensors
+from worker.weights import QUANTIZED_AT_LOAD, LayerWeights, load_weights, read_safetensors
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -218,7 +218,7 @@ class CausalLM:
         quantization: str = "none", group_size: int = 32,
     ) -> CausalLM:
         """``transform``: (config, tensors) -> (config, tensors) before loading (a tensor-parallel shard).
-        ``quantization``: "none"; "int8"/"w8a8"/"int4" (float weights quantised as they load); "auto" (a model
+        ``quantization``: "none"; "int8"/"w8a16"/"w8a8"/"int4" (float weights quantised as they load); "auto" (a model
         converted from a GGUF is read from that GGUF with its 4/8-bit blocks kept, a GPTQ/AWQ checkpoint keeps its
         4-bit weights; any other stays float). A GPTQ/AWQ checkpoint under "none" is de-quantised to float."""
         model_dir = Path(model_dir)
@@ -241,7 +241,7 @@ class CausalLM:
         if transform is not None:
             config, tensors = transform(config, tensors)
         as_read = gguf is not None or packed is not None and quantization == "auto"  # the file's own formats
-        if as_read or quantization in ("int8", "w8a8", "int4"):
+        if as_read or quantization in QUANTIZED_AT_LOAD:
             return cls(config, tensors, dtype=dt, device=dev, where=str(gguf or model_dir),
                        quantization="none" if as_read else quantization, group_size=group_size)
         if (dev.type == "cpu" and dt == torch.bfloat16 and not cpu_half_gemm_is_native()

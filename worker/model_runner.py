@@ -26,6 +26,7 @@ from worker.gptq_weights import packed_config
 from worker.loader import ModelInfo, model_info
 from worker.model import CausalLM, gguf_source, load_config, resolve_device, resolve_dtype
 from worker.sampler import Sampler
+from worker.weights import QUANTIZED_AT_LOAD
 
 log = get_logger(__name__)
 
@@ -109,7 +110,7 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quant
     ``TPDriver`` with the same surface, the model sharded over ranks it starts (worker/tp_driver.py)."""
     if tensor_parallel_size == 1:
         return _load_weights(model_dir, dtype, device, quantization, group_size)
-    if quantization in ("int8", "w8a8", "int4") or quantization == "auto" and (
+    if quantization in QUANTIZED_AT_LOAD or quantization == "auto" and (
             gguf_source(model_dir) is not None or packed_config(model_dir) is not None):
         raise ValueError("tensor parallelism with quantised weights is not supported yet (use one of them)")
     from worker.tp_driver import TPDriver

@@ -17,6 +17,11 @@ from kernels.cpu_gemm import Linear
 from kernels.quant import QuantizedWeight
 from worker.model_config import ModelConfig, ModelError
 
+# The quantisation settings that quantise float weights as they load, and the int8-activation forms each lets
+# the planner time (kernels/quant_gemm.py): int8 our block-32 ones, w8a16 none, w8a8 torch's per-token one too
+QUANTIZED_AT_LOAD = ("int8", "w8a16", "w8a8", "int4")
+ACTIVATIONS = {"int8": "blocks", "w8a16": "float", "w8a8": "any", "int4": "blocks"}
+
 
 @dataclass
 class LayerWeights:
@@ -67,8 +72,8 @@ class _Reader:
         self.weight_dtype = weight_dtype
         self.interleave_rope = interleave_rope
         self.where = where
-        # "none", "int8", "w8a8" or "int4": float weights quantised as loaded (w8a8: int8 whose products may
-        # quantise activations per token, where measured faster)
+        # "none", or one of QUANTIZED_AT_LOAD: float weights quantised as loaded (kernels/quant_gemm.py's
+        # activations: int8 times float or block-32 int8 ones; w8a16 float only; w8a8 per-token ones too)
         self.quantization = quantization
         self.group_size = group_size
         half = config.head_dim // 2
@@ -119,14 +124,14 @@ class _Reader:
         and int8 keeps its error well under int4's, as llama.cpp's 4-bit files do with a Q6/Q8 head)."""
         assert w_oi is not None  # take() raised for missing required weights
         if not isinstance(w_oi, QuantizedWeight) and self.quantization != "none":
-            fmt = "int8" if head or self.quantization == "w8a8" else self.quantization
+            fmt = self.quantization if self.quantization in ("int8", "int4") and not head else "int8"
             try:
                 w_oi = quant.quantize(w_oi, fmt, self.group_size)
             except ValueError as exc:  # e.g. a width that is no whole number of int4 groups
                 raise ModelError(f"{self.where}: cannot quantise to {fmt}: {exc}") from exc
         if isinstance(w_oi, QuantizedWeight):
             return quant_gemm.plan(w_oi, None if b is None else b.float(), embedding=embedding,
-                                   activations="float" if head else "any" if self.quantization == "w8a8" else "blocks")
+                                   activations="float" if head else ACTIVATIONS.get(self.quantization, "blocks"))
         if self.weight_dtype != self.dtype:  # only the packed kernel multiplies bfloat16 panels by float32 rows
             return cpu_gemm.plan(w_oi.to(self.weight_dtype), b, packed_only=True)
         return cpu_gemm.plan(w_oi, b, embedding=embedding)

@@ -35,13 +35,29 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-@pytest.mark.parametrize(("quantization", "max_kl"), [("int8", 1e-3), ("w8a8", 2e-2), ("int4", 5e-2)])
+@pytest.mark.parametrize(("quantization", "max_kl"), [("int8", 1e-3), ("w8a16", 1e-3), ("w8a8", 2e-2),
+                                                      ("int4", 5e-2)])
 def test_quantised_logits_stay_close_to_float32(tiny_model, quantization, max_kl):
     prompt = [(7 * i + 3) % 300 + 3 for i in range(21)]
     ref = _last_logits(tiny_model, prompt)
     got = _last_logits(tiny_model, prompt, quantization=quantization)
     kl = _kl(ref, got)
     assert 0.0 < kl < max_kl, kl  # not identical (the weights really are quantised), and close
+
+
+def test_w8a16_keeps_float_activations_and_int8_may_take_blocks(tiny_model):
+    """w8a16 plans weight-only forms only; int8 may also plan our block-32 int8 activations (never torch's
+    per-token form, which only w8a8 allows), never at decode sizes, and never for the LM head."""
+    for quantization, allowed in (("w8a16", {"w8a16", "w8dq", "panels"}),
+                                  ("int8", {"w8a16", "w8dq", "panels", "w8a8", "w8a8w"})):
+        model = ModelRunner(tiny_model, device="cpu", dtype="float32", kv_cache_bytes=1 << 20,
+                            quantization=quantization).model
+        for layer in model.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(layer, name)
+                assert set(lin.forms) <= allowed and lin.forms[0] not in ("w8a8", "w8a8w"), (quantization, lin.forms)
+                assert (lin.a8 is not None) == ("w8a8" in lin.forms)  # our block panels, never torch's form
+        assert not {"w8a8", "w8a8w"} & set(model.lm_head.forms)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

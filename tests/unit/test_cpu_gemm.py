@@ -36,29 +36,42 @@ def test_every_form_matches_f_linear(layout, form, bias, m):
 
 
 @needs_packed
+@pytest.mark.parametrize("dtype,winner", [(torch.float32, "oi"), (torch.bfloat16, "oi"), (torch.bfloat16, "pd")])
 @pytest.mark.parametrize("pk_at_decode", [1.1, 2.0])
-def test_a_blas_layout_keeps_panels_for_the_decode_bucket_when_they_are_near_the_best(monkeypatch, pk_at_decode):
-    """The fused decode step needs every projection in panels: where a BLAS layout wins the larger buckets and
-    the packed kernel is within FUSED_STEP_MARGIN of the best at decode sizes, the decode bucket is served by a
-    second, packed copy; further off, the BLAS layout serves every bucket alone."""
+def test_another_layout_keeps_panels_for_the_decode_bucket_when_they_are_near_the_best(monkeypatch, dtype, winner,
+                                                                                        pk_at_decode):
+    """The fused decode step needs every projection in panels: where a BLAS layout (or, bfloat16, the pair-packed
+    "pd") wins the larger buckets and the packed kernel is within FUSED_STEP_MARGIN of the best at decode sizes,
+    the decode bucket is served by a second, packed copy; further off, the winning layout serves every bucket."""
+    if winner == "pd" and not packed_gemm.has_bf16_dot():
+        pytest.skip("no AVX512-BF16: no pair-packed layout")
+
     def fake_time(lin, x, scratch):  # the packed kernel slower at prefill sizes, near (or far) at decode sizes
         if lin.layout == "pk":
             return pk_at_decode if x.shape[0] <= cpu_gemm.BUCKET_LIMITS[0] else 2.0
+        if lin.layout == "pd":
+            return 1.0 if winner == "pd" else 2.0
         return 1.0 if lin.forms[0] == "xw" else 1.5
 
     monkeypatch.setattr(cpu_gemm, "_time", fake_time)
-    n = 40 if pk_at_decode < 1.5 else 41  # a shape of its own per case: plans are cached per shape
-    w = torch.randn(n, 32, generator=torch.Generator().manual_seed(n))
+    n = 40 + (pk_at_decode > 1.5) + 2 * (winner == "pd")  # a shape of its own per case: plans are cached per shape
+    w = torch.randn(n, 32, generator=torch.Generator().manual_seed(n)).to(dtype)
     lin = cpu_gemm.plan(w)
-    assert lin.layout in ("oi", "io") and lin.forms[1:] == ("xw",) * 3
+    rest = ("pd",) * 3 if winner == "pd" else ("xw",) * 3
+    assert lin.layout in (("pd",) if winner == "pd" else ("oi", "io")) and lin.forms[1:] == rest
     near = pk_at_decode <= cpu_gemm.FUSED_STEP_MARGIN
-    assert lin.forms[0] == ("pk" if near else "xw") and (lin.panels is not None) == near
+    assert lin.forms[0] == ("pk" if near else rest[0]) and (lin.panels is not None) == near
     assert (decode_step._panels(lin) is not None) == near
-    for m in (3, 50):  # the decode bucket from the panels, the others from the BLAS layout: the same product
-        x = torch.randn(m, 32)
-        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-        out = torch.ones(m, n)
-        torch.testing.assert_close(lin.add_to(out, x), F.linear(x, w) + 1.0, rtol=1e-5, atol=1e-5)
+    assert not near or lin.panels.dtype == dtype  # bfloat16 panels: widened by the kernel, computed in float32
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for m in (3, 50):  # the decode bucket from the panels, the others from the winning layout: the same product
+        x = torch.randn(m, 32).to(dtype)
+        want = F.linear(x.float(), w.float())
+        got = lin(x)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, **tol)
+        out = torch.ones(m, n, dtype=dtype)
+        torch.testing.assert_close(lin.add_to(out, x).float(), want + 1.0, **tol)
 
 
 def test_bucket_bounds():
