@@ -39,13 +39,18 @@ SCRATCH_BYTES = 64 << 20  # more than the last-level cache of the CPUs seen here
 # VM), while pk never repacks and was at least as fast on every layer shape measured on a quiet one.
 PACKED_BIAS = 0.85
 # A float32 or bfloat16 weight whose best layout is another one (a BLAS layout, or "pd") keeps a second copy
-# in the packed layout for the decode bucket when the packed kernel is within this of the best form there: the
-# fused decode step (kernels/decode_step.py) runs only where every projection is in panels, and it is worth
-# 1.23-1.40x a whole small step (docs/BENCHMARKS.md), more than a product's own difference. Measured on an AMX
-# Xeon: MKL won SmolLM2's gate_up (3072x576) by 1.3-1.4x at prefill sizes and tied at M = 8, so the single
-# layout was MKL's and single-stream float32 decode ran op by op (35 tok/s against llama.cpp's 39); bfloat16
-# (oneDNN's AMX GEMM or "pd" at the larger buckets) likewise never reached the fused step.
+# in the packed layout for the decode bucket when the packed kernel is within this (float32; bfloat16: below)
+# of the best form there: the fused decode step (kernels/decode_step.py) runs only where every projection is in
+# panels, and it is worth 1.23-1.40x a whole small step (docs/BENCHMARKS.md), more than a product's own
+# difference. Measured on an AMX Xeon: MKL won SmolLM2's gate_up (3072x576) by 1.3-1.4x at prefill sizes and
+# tied at M = 8, so the single layout was MKL's and single-stream float32 decode ran op by op (35 tok/s against
+# llama.cpp's 39).
 FUSED_STEP_MARGIN = 1.35
+# bfloat16: the probe's M = 8 undersells the packed kernel (it widens the weight and computes in float32) against
+# oneDNN's AMX GEMM and "pd", and the fused step is worth more. Measured on an AMX Xeon, SmolLM2's bfloat16
+# shapes: pk at 1.4-1.7x the best form at M = 8, yet up to 1.5x faster than oneDNN at M = 1 (the tied head);
+# single-stream decode 38 tok/s with the BLAS forms at decode sizes, 64 with pk op by op, 95 fused.
+FUSED_STEP_MARGIN_BF16 = 2.0
 
 _plans: dict[tuple, tuple[str, tuple[str, ...]]] = {}
 _lock = threading.Lock()
@@ -203,7 +208,8 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
             chosen = (score, layout, forms)  # type: ignore[assignment]
     assert chosen is not None
     layout, forms = chosen[1], chosen[2]
-    if "pk" in layouts and layout != "pk" and best["pk", "pk", 0] <= FUSED_STEP_MARGIN * floor[0]:
+    margin = FUSED_STEP_MARGIN if dt == torch.float32 else FUSED_STEP_MARGIN_BF16
+    if "pk" in layouts and layout != "pk" and best["pk", "pk", 0] <= margin * floor[0]:
         forms = ("pk", *forms[1:])  # plan() keeps the panels beside the chosen layout
     return layout, forms  # type: ignore[return-value]
 

@@ -369,7 +369,7 @@ class CausalLM:
         residual = x
         fused = self._fused_step(kv_caches, meta, t, backend)
         if fused is not None:  # every layer (and the head, where in panels) in one C call (kernels/decode_step.py)
-            if rot is None:  # bfloat16: the step computes in float32 (the rotate-half form, same rows)
+            if self.dtype != torch.float32:  # bfloat16: the step computes in float32 (rotate-half RoPE, float32 rows)
                 x, rot = x.float(), self._rope_rows(positions)
             logits = fused.run(x, rot, meta, logits_indices)  # rot: the C RoPE's (cos, sin) rows
             if logits is not None:

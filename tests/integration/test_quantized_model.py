@@ -106,7 +106,9 @@ def test_the_default_gguf_is_served_at_4_bits_with_a_sensible_answer(smollm_dir)
     assert all(isinstance(p, QuantLinear) and p.weight.fmt == "int4" for p in (layer.qkv, layer.o, layer.gate_up,
                                                                                layer.down))
     assert isinstance(model.lm_head, QuantLinear) and model.lm_head.weight.fmt == "int8"  # Q8_0 in the file
-    assert eng.runner.weight_bytes < 130e6  # float32: ~540 MB
+    # float32: ~540 MB; the 4-bit weights ~110 MB, up to twice that where the planner keeps torch's 4-bit copy
+    # beside our panels for prefill sizes (kernels/quant_gemm.py, KEEP_ONE_MARGIN; seen on an AMX Xeon)
+    assert eng.runner.weight_bytes < 250e6
     tok = AutoTokenizer.from_pretrained(smollm_dir)
     answers = {}
     for i, (question, expected) in enumerate([("What is 2 + 2? Answer with the number only.", "4"),
