@@ -361,20 +361,17 @@ class CausalLM:
         cos, sin = self._rope(positions, max_position)
         c_ops = self._c_ops  # on CPU: RoPE and SwiGLU in C too
         rot = torch.view_as_real(cos) if c_ops is not None and self._complex_rope else None  # [T, D/2, (cos, sin)]
-        cos = cos[:, None, :]  # complex rotation [T, 1, D/2] on the complex path
-        sin = sin[:, None, :]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # complex rotation [T, 1, D/2] on the complex path
         if meta.scale is None:
             meta.scale = self.scale
         x = self._embed_rows(input_ids)
         residual = x
         fused = self._fused_step(kv_caches, meta, t, backend)
         if fused is not None:  # every layer (and the head, where in panels) in one C call (kernels/decode_step.py)
-            if self.dtype != torch.float32:  # bfloat16: the step computes in float32 (rotate-half RoPE, float32 rows)
-                x, rot = x.float(), self._rope_rows(positions)
-            logits = fused.run(x, rot, meta, logits_indices)  # rot: the C RoPE's (cos, sin) rows
+            logits, x = self._run_fused(fused, x, rot, positions, meta, logits_indices)
             if logits is not None:
                 return logits
-            residual = x = x.to(self.dtype)
+            residual = x
         h = self._norm(x, self.layers[0].input_norm) if self.layers and fused is None else x
         for i, layer in enumerate(self.layers if fused is None else ()):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
@@ -407,6 +404,16 @@ class CausalLM:
         return self.lm_head(h).float()  # contiguous: the sampler's row-wise argmax is 3x slower on a transposed view
 
     __call__ = forward
+
+    def _run_fused(self, fused, x: torch.Tensor, rot: torch.Tensor | None, positions: torch.Tensor,
+                   meta: AttentionMetadata, logits_indices: torch.Tensor | None):
+        """The fused step over ``x``: (logits, x) where the head ran inside it, else (None, the last residual
+        stream in the model's dtype). A bfloat16 model's step computes in float32 (rotate-half RoPE, float32
+        rows: its own tables are rounded)."""
+        if self.dtype != torch.float32:
+            x, rot = x.float(), self._rope_rows(positions)
+        logits = fused.run(x, rot, meta, logits_indices)  # rot: the C RoPE's (cos, sin) rows
+        return logits, x.to(self.dtype)
 
     def use_decode_step(self, on: bool) -> None:
         """Run qualifying decode steps as one C call (kernels/decode_step.py; the default) or op by op (tests
