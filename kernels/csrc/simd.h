@@ -41,7 +41,7 @@
      ELEM_F8   float8 e4m3 KV cache rows, laid out as ELEM_I8's. A code widens exactly through float16: its
                7 magnitude bits shifted into a half's exponent and mantissa give the code's value times 2^-8
                (subnormals included; F16C's conversion is exact and ignores DAZ), and row_scale folds the 2^8
-               back in, so a widened code costs a shift, an or and one vcvtph2ps. */
+               back in, so 8 or 16 codes widen with a sign extension, a shift, an and and one vcvtph2ps. */
 #define ELEM_F32 0
 #define ELEM_BF16 1
 #define ELEM_I8 2
@@ -95,11 +95,11 @@ ALWAYS_INLINE uint16_t to_bf16(float f) {
 #if INFERQ_HAVE_AVX2
 #include <immintrin.h>
 
-/* 8 float8 e4m3 codes -> their 8 float16 bit patterns (value times 2^-8, see ELEM_F8) */
+/* 8 float8 e4m3 codes -> their 8 float16 bit patterns (value times 2^-8, see ELEM_F8): sign-extended to 16
+   bits and shifted left by 7, a code lands its magnitude in bits 7-13 and its sign in bits 14 and 15 (the
+   extension's ones); clearing bit 14 leaves the half. */
 static inline __m128i f8_to_half8(__m128i b8) {
-    const __m128i w = _mm_cvtepu8_epi16(b8);
-    return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
-                        _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    return _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b8), 7), _mm_set1_epi16((short)0xbfff));
 }
 
 /* 8 values from element i of p (float32, or bfloat16 / int8 / float8 codes widened) */
@@ -192,10 +192,8 @@ ALWAYS_INLINE __m512 load16(const void* p, int64_t i, const int kind) {
     if (kind == ELEM_I8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)p + i))));
     if (kind == ELEM_F8) {
-        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
-        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-        return _mm512_cvtph_ps(h);
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xbfff)));
     }
     const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
