@@ -10,7 +10,8 @@ a bfloat16 model's below).
 When :meth:`DecodeStep.for_model` returns one and :meth:`DecodeStep.applies` holds (worker/model.py asks each
 step): a CPU model in float32 or bfloat16 arithmetic whose every projection is in panels (the packed float32 or
 bfloat16 layout, or the quantised int8/int4 panels where the planner serves decode sizes from them), no tensor
-parallelism, a float32 or bfloat16 KV cache, and a step of at most ``MAX_ROWS`` tokens (the GEMM planner's
+parallelism, a float32, bfloat16 or int8 KV cache (the int8 rows packed here as the cache write packs them), and
+a step of at most ``MAX_ROWS`` tokens (the GEMM planner's
 decode-sized bucket: above it a step's per-op costs are a small share, and the small ops here are computed by
 every thread): decodes, and chunks of several tokens (speculative proposals, short prefills) where the prefill
 kernel reads the cache. Anything else runs op by op. Where the LM
@@ -43,7 +44,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 W_F32, W_BF16, W_I8, W_I4 = range(4)  # decode_step.c's panel kinds
 DTYPES = (torch.float32, torch.bfloat16)  # the models' arithmetic it takes (bfloat16: computed in float32)
 MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
-ELEM = {torch.float32: 0, torch.bfloat16: 1}  # simd.h's ELEM_F32, ELEM_BF16
+ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # simd.h's ELEM_F32, ELEM_BF16, ELEM_I8 (rows + scale)
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 

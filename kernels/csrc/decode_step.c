@@ -10,9 +10,10 @@
    the decode attention kernel), in the same order, so the result is bit-identical to the op-by-op forward
    (tests/unit/test_decode_step.py); a bfloat16 model's step is computed in float32 here (kernels/decode_step.py
    says why). Float32 activations; float32, bfloat16 (widened), int8 or int4 weight panels
-   (kernels/csrc/quant_gemm.c); a float32 or bfloat16 KV cache. The final norm and the LM head run inside the
+   (kernels/csrc/quant_gemm.c); a float32, bfloat16 or int8 KV cache. The final norm and the LM head run inside the
    same region where the head is in panels too. Built with those kernels' sources into one library
    (kernels/decode_step.py). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,6 +107,19 @@ static void rope_half_f32(float* x, int64_t xs, const float* rot, int64_t rs, in
     }
 }
 
+/* One int8 cache row as kernels/kv_quant.py's pack makes it, bit for bit: codes round(x / s) (to nearest even)
+   with s = max(max |x|, 1e-30) / 127, then the 4 bytes of s. */
+static void pack_i8_row(const float* x, int D, int8_t* row) {
+    float amax = 0.f;
+    for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float s = fmaxf(amax, 1e-30f) / 127.f;
+    for (int i = 0; i < D; i++) {
+        const float q = nearbyintf(x[i] / s);
+        row[i] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+    }
+    memcpy(row + D, &s, 4);
+}
+
 /* The new tokens' keys and values (after RoPE) into their slots, converted to the cache's element type. */
 static void write_kv(const step_args* a, const step_layer* w) {
     const int D = a->D, nqkv = (a->Hq + 2 * a->Hkv) * D;
@@ -120,6 +134,9 @@ static void write_kv(const step_args* a, const step_layer* w) {
             if (a->kv_kind == ELEM_F32) {
                 memcpy((float*)w->k_cache + dst, k + (int64_t)h * D, sizeof(float) * (size_t)D);
                 memcpy((float*)w->v_cache + dst, v + (int64_t)h * D, sizeof(float) * (size_t)D);
+            } else if (a->kv_kind == ELEM_I8) {
+                pack_i8_row(k + (int64_t)h * D, D, (int8_t*)w->k_cache + dst);
+                pack_i8_row(v + (int64_t)h * D, D, (int8_t*)w->v_cache + dst);
             } else {
                 uint16_t *kc = (uint16_t*)w->k_cache + dst, *vc = (uint16_t*)w->v_cache + dst;
                 for (int i = 0; i < D; i++) {

@@ -323,3 +323,14 @@ def test_quantised_panels_are_bit_identical(tiny_dirs, fmt, arch, monkeypatch):
     for a, b in zip(got[False], got[True], strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y), f"max diff {(x - y).abs().max()}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_cache(tiny_dirs, arch):
+    """An int8 KV cache: the fused step packs the new keys and values as the cache write does (kernels/kv_quant.py,
+    bit for bit) and its attention reads the rows in place as the op-by-op kernels do."""
+    assert packed_runner(tiny_dirs[arch], kv_cache_dtype="int8").kv_caches[0][0].dtype == torch.int8
+    plain, fused = fused_and_op_by_op(tiny_dirs[arch], prompts(3), kv_cache_dtype="int8")
+    for step, (a, b) in enumerate(zip(plain, fused, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), f"step {step}: max diff {(x - y).abs().max()}"
