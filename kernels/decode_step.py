@@ -10,8 +10,8 @@ a bfloat16 model's below).
 When :meth:`DecodeStep.for_model` returns one and :meth:`DecodeStep.applies` holds (worker/model.py asks each
 step): a CPU model in float32 or bfloat16 arithmetic whose every projection is in panels (the packed float32 or
 bfloat16 layout, or the quantised int8/int4 panels where the planner serves decode sizes from them), no tensor
-parallelism, a float32, bfloat16 or int8 KV cache (the int8 rows packed here as the cache write packs them), and
-a step of at most ``MAX_ROWS`` tokens (the GEMM planner's
+parallelism, a float32, bfloat16, int8 or fp8 KV cache (quantised rows packed here as the cache write packs
+them), and a step of at most ``MAX_ROWS`` tokens (the GEMM planner's
 decode-sized bucket: above it a step's per-op costs are a small share, and the small ops here are computed by
 every thread): decodes, and chunks of several tokens (speculative proposals, short prefills) where the prefill
 kernel reads the cache. Anything else runs op by op. Where the LM
@@ -36,7 +36,7 @@ import functools
 import numpy as np
 import torch
 
-from kernels import cpu_attention, cpu_gemm, native, packed_gemm
+from kernels import cpu_attention, cpu_gemm, kv_quant, native, packed_gemm
 
 SOURCES = ("decode_step.c", "packed_gemm.c", "quant_gemm.c", "decode_attention.c", "prefill_attention.c",
            "rms_norm.c", "rope.c", "activation.c")
@@ -44,7 +44,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 W_F32, W_BF16, W_I8, W_I4 = range(4)  # decode_step.c's panel kinds
 DTYPES = (torch.float32, torch.bfloat16)  # the models' arithmetic it takes (bfloat16: computed in float32)
 MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
-ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # simd.h's ELEM_F32, ELEM_BF16, ELEM_I8 (rows + scale)
+# simd.h's ELEM_F32, ELEM_BF16, ELEM_I8 and ELEM_F8 (the quantised caches' rows of codes + scale)
+ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, kv_quant.FP8_ROWS: 3}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
@@ -79,6 +80,8 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     lib.decode_step.restype = _I
     lib.set_generic.argtypes = [_I]
     lib.set_avx512.argtypes = [_I]
+    lib.f8_from_f32.argtypes = [_F]  # the cache write's float8 conversion (tests compare it with torch's)
+    lib.f8_from_f32.restype = ctypes.c_uint8
     return lib
 
 

@@ -10,7 +10,7 @@
    the decode attention kernel), in the same order, so the result is bit-identical to the op-by-op forward
    (tests/unit/test_decode_step.py); a bfloat16 model's step is computed in float32 here (kernels/decode_step.py
    says why). Float32 activations; float32, bfloat16 (widened), int8 or int4 weight panels
-   (kernels/csrc/quant_gemm.c); a float32, bfloat16 or int8 KV cache. The final norm and the LM head run inside the
+   (kernels/csrc/quant_gemm.c); a float32, bfloat16, int8 or float8 KV cache. The final norm and the LM head run inside the
    same region where the head is in panels too. Built with those kernels' sources into one library
    (kernels/decode_step.py). */
 #include <math.h>
@@ -120,6 +120,46 @@ static void pack_i8_row(const float* x, int D, int8_t* row) {
     memcpy(row + D, &s, 4);
 }
 
+/* float32 -> float8 e4m3 (fn) bits as torch converts (round to nearest even; |x| <= 448 here, the row's scale
+   sees to that): below 2^-6 the subnormal step 2^-9 is rounded by adding 2^14 in float32, above by rounding the
+   mantissa to 3 bits and re-biasing the exponent. */
+uint8_t f8_from_f32(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u >= (1087u << 20)) { /* 480 and above (none here): NaN, as torch */
+        r = 0x7f;
+    } else if (u < (121u << 23)) {
+        float f, big;
+        const uint32_t magic = 141u << 23; /* 2^14 */
+        memcpy(&f, &u, 4);
+        memcpy(&big, &magic, 4);
+        f += big;
+        memcpy(&u, &f, 4);
+        r = (uint8_t)(u - magic);
+    } else {
+        const uint32_t odd = (u >> 20) & 1u;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + odd;
+        r = (uint8_t)(u >> 20);
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* One float8 cache row as kernels/kv_quant.py's pack makes it, bit for bit: s = max(max |x|, 1e-30) / 448, codes
+   the e4m3 of x / s clamped to [-448, 448], then the 4 bytes of s. */
+static void pack_f8_row(const float* x, int D, uint8_t* row) {
+    float amax = 0.f;
+    for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float s = fmaxf(amax, 1e-30f) / 448.f;
+    for (int i = 0; i < D; i++) {
+        const float v = x[i] / s;
+        row[i] = f8_from_f32(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
+    }
+    memcpy(row + D, &s, 4);
+}
+
 /* The new tokens' keys and values (after RoPE) into their slots, converted to the cache's element type. */
 static void write_kv(const step_args* a, const step_layer* w) {
     const int D = a->D, nqkv = (a->Hq + 2 * a->Hkv) * D;
@@ -137,6 +177,9 @@ static void write_kv(const step_args* a, const step_layer* w) {
             } else if (a->kv_kind == ELEM_I8) {
                 pack_i8_row(k + (int64_t)h * D, D, (int8_t*)w->k_cache + dst);
                 pack_i8_row(v + (int64_t)h * D, D, (int8_t*)w->v_cache + dst);
+            } else if (a->kv_kind == ELEM_F8) {
+                pack_f8_row(k + (int64_t)h * D, D, (uint8_t*)w->k_cache + dst);
+                pack_f8_row(v + (int64_t)h * D, D, (uint8_t*)w->v_cache + dst);
             } else {
                 uint16_t *kc = (uint16_t*)w->k_cache + dst, *vc = (uint16_t*)w->v_cache + dst;
                 for (int i = 0; i < D; i++) {

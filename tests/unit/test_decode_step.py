@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_gemm, decode_step, packed_gemm
+from kernels import cpu_gemm, decode_step, kv_quant, packed_gemm
 from scheduler.request import Request, SamplingParams
 from tests.tiny_models import make_tiny_model
 from worker import model as model_module
@@ -326,11 +326,30 @@ def test_quantised_panels_are_bit_identical(tiny_dirs, fmt, arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_int8_cache(tiny_dirs, arch):
-    """An int8 KV cache: the fused step packs the new keys and values as the cache write does (kernels/kv_quant.py,
-    bit for bit) and its attention reads the rows in place as the op-by-op kernels do."""
-    assert packed_runner(tiny_dirs[arch], kv_cache_dtype="int8").kv_caches[0][0].dtype == torch.int8
-    plain, fused = fused_and_op_by_op(tiny_dirs[arch], prompts(3), kv_cache_dtype="int8")
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantised_cache(tiny_dirs, arch, kv):
+    """An int8 or float8 KV cache: the fused step packs the new keys and values as the cache write does
+    (kernels/kv_quant.py, bit for bit) and its attention reads the rows in place as the op-by-op kernels do."""
+    want = torch.int8 if kv == "int8" else kv_quant.FP8_ROWS
+    assert packed_runner(tiny_dirs[arch], kv_cache_dtype=kv).kv_caches[0][0].dtype == want
+    plain, fused = fused_and_op_by_op(tiny_dirs[arch], prompts(3), kv_cache_dtype=kv)
     for step, (a, b) in enumerate(zip(plain, fused, strict=True)):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y), f"step {step}: max diff {(x - y).abs().max()}"
+
+
+def test_float8_conversion_is_torchs():
+    """The fused cache write's float32 -> e4m3 conversion against torch's, bit for bit: random magnitudes over the
+    whole range the rows use, every e4m3 value and the midpoints between neighbours (the ties), subnormals."""
+    lib = decode_step.load()
+    g = torch.Generator().manual_seed(8)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite magnitude
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat((grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                   torch.exp(torch.empty(20000).uniform_(-25, 6.1, generator=g)).clamp_(max=448.0),
+                   torch.tensor([0.0, 1e-30, 2.0**-10, 2.0**-9 * 1.5, 448.0])))
+    x = torch.cat((x, -x))
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    got = torch.tensor([lib.f8_from_f32(float(v)) for v in x.tolist()], dtype=torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert not len(bad), [(float(x[i]), int(got[i]), int(want[i])) for i in bad[:5]]
