@@ -72,7 +72,7 @@ STREAM_M = (1, 2, 4, 8)
 def _packed_calls(model, lib) -> list:
     """One closure per projection of ``model`` (every layer's and the LM head) running ``lib``'s kernel at M
     rows into a scratch output: the weight reads of a step with nothing else. Weights the planner kept in a
-    BLAS layout are packed here (the kernel's own layout), so the pass covers the same bytes either way."""
+    BLAS layout only are packed here (the kernel's own layout), so the pass covers the same bytes either way."""
     import torch
 
     from kernels import packed_gemm
@@ -80,7 +80,9 @@ def _packed_calls(model, lib) -> list:
     calls = []
     for linear in [getattr(layer, kind) for layer in model.layers for kind in PROJECTIONS] + [model.lm_head]:
         layout, w, n = linear.layout, linear.weight, linear.out_features
-        if layout not in ("pk", "pd"):
+        if linear.panels is not None:  # the packed copy the fused step reads at decode sizes
+            layout, w = "pk", linear.panels
+        elif layout != "pd":
             layout, w = "pk", packed_gemm.pack(linear.w_oi.contiguous())
         k = w.shape[1] * (2 if layout == "pd" else 1)
         act = torch.bfloat16 if layout == "pd" else torch.float32

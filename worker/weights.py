@@ -17,10 +17,11 @@ from kernels.cpu_gemm import Linear
 from kernels.quant import QuantizedWeight
 from worker.model_config import ModelConfig, ModelError
 
-# The quantisation settings that quantise float weights as they load, and the int8-activation forms each lets
-# the planner time (kernels/quant_gemm.py): int8 our block-32 ones, w8a16 none, w8a8 torch's per-token one too
+# The quantisation settings that quantise float weights as they load, and the int8-activation forms a setting
+# lets the planner time where it differs from our block-32 ones (kernels/quant_gemm.py): w8a16 none, w8a8
+# torch's per-token one too
 QUANTIZED_AT_LOAD = ("int8", "w8a16", "w8a8", "int4")
-ACTIVATIONS = {"int8": "blocks", "w8a16": "float", "w8a8": "any", "int4": "blocks"}
+ACTIVATIONS = {"w8a16": "float", "w8a8": "any"}
 
 
 @dataclass
