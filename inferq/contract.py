@@ -344,3 +344,10 @@ def dead_letter_key(prefix: str) -> str:
 
 def cancel_channel(prefix: str) -> str:
     return f"{prefix}:cancel"
+
+
+def new_jobs_channel(prefix: str, model: str) -> str:
+    """Pub/sub channel told (the stream's name) of every message added to one of ``model``'s job streams: a
+    busy worker reads its streams when told, and on a timer, instead of asking Redis for their lag before every
+    step; a lane it does not know yet is looked up at once."""
+    return f"{prefix}:new-jobs:{model}"

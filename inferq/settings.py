@@ -150,6 +150,10 @@ class Settings(BaseSettings):
     reconcile_interval_seconds: float = 15.0
     shutdown_grace_seconds: float = 30.0
     event_stream_maxlen: int = 10_000
+    stream_interval_ms: float = Field(
+        50.0, ge=0, description="A running job's text deltas are published at most this often (its first token "
+        "and its end at once): each published delta wakes Redis, the API's event stream and the client, about "
+        "1.5 ms of CPU per event on 2 cores, taken from the engine's steps. 0 publishes every step.")
     event_stream_ttl_seconds: int = 3600
     db_retry_max_seconds: float = 60.0
     cache_routing: bool = Field(

@@ -2,12 +2,14 @@
 
 ``start`` turns a claimed job's ``JobMessage`` into an engine ``Request`` (id ``job_id#attempt``, so a retried
 job never collides with a stale one; sampling from ``JobMessage.to_sampling_params``; the deadline converted to
-``time.monotonic()``; the tenant and its fair-share weight, for the scheduler's round robin over tenants). ``step`` runs one engine step and sorts its outputs: text deltas onto the caller's Redis
-pipeline (the per-job event streams, each delta marked with its attempt; a restarted job's stream is first
-replaced by a ``reset`` entry, so readers drop the earlier attempts' text: inferq/jobs/events.py),
-first-token times, and finished requests as ``Final`` (the job's ``jobs.Outcome``, waiting for its
-transaction). Cancellations, takeovers, outages and shutdown abort requests
-here, remembering why (``InFlight.ended``), which decides whether a result is written at all.
+``time.monotonic()``; the tenant and its fair-share weight, for the scheduler's round robin over tenants).
+``step`` runs one engine step and sorts its outputs: text deltas onto the caller's Redis pipeline (the per-job
+event streams, each delta marked with its attempt; a job's deltas go out at most every ``stream_interval_ms``,
+joined, its first text and its end at once; a restarted job's stream is first replaced by a ``reset`` entry,
+so readers drop the earlier attempts' text: inferq/jobs/events.py), first-token times, and finished requests
+as ``Final`` (the job's ``jobs.Outcome``, waiting for its transaction). Cancellations, takeovers, outages and
+shutdown abort requests here, remembering why (``InFlight.ended``), which decides whether a result is written
+at all.
 
 No Redis or SQL calls of its own: the loop (worker/service.py) executes the pipeline and hands ``Final`` to
 the job store.
@@ -45,6 +47,9 @@ class InFlight:
     deadline_unix: float | None
     first_token_wall: float | None = None
     first_token_mono: float | None = None
+    unsent_text: str = ""  # text deltas held back by stream_interval_ms, and their token ids
+    unsent_ids: list[int] = field(default_factory=list)
+    next_publish_mono: float = 0.0
     started_mono: float = field(default_factory=time.monotonic)
     ended: str | None = None  # why we aborted it: cancel | deadline | lost | abandon | handback
     log: Any = None
@@ -157,15 +162,26 @@ class EngineDriver:
                 inf.first_token_wall, inf.first_token_mono = now_unix, now_mono
                 result.first_tokens.append(inf)
                 self.metrics.ttft.labels(inf.tier).observe(max(0.0, now_unix - inf.enqueued_at))
-            if out.text_delta and inf.ended not in ("lost", "abandon"):
-                jobs.publish_events(pipe, self.settings, inf.job_id,
-                                    jobs.delta_event(out.text_delta, out.new_token_ids, inf.attempt))
-                result.published = True
+            if (out.text_delta or out.new_token_ids or out.finished) and inf.ended not in ("lost", "abandon"):
+                result.published |= self._publish(pipe, inf, out, now_mono)
             if out.finished:
                 self.forget(inf)
                 if inf.ended not in NO_RESULT:  # else another worker owns the job now (or will): no result, no ack
                     result.finished.append(Final(inf, self._outcome(inf, out), now_mono))
         return result
+
+    def _publish(self, pipe: Any, inf: InFlight, out: RequestOutput, now_mono: float) -> bool:
+        """Queue the step's text delta, or hold it back: deltas go out at most every ``stream_interval_ms``,
+        joined; the first token and the job's end go out at once. Returns whether an event was queued."""
+        inf.unsent_text += out.text_delta or ""
+        inf.unsent_ids += out.new_token_ids or []
+        if not inf.unsent_text or (not out.finished and now_mono < inf.next_publish_mono):
+            return False
+        jobs.publish_events(pipe, self.settings, inf.job_id,
+                            jobs.delta_event(inf.unsent_text, inf.unsent_ids, inf.attempt))
+        inf.unsent_text, inf.unsent_ids = "", []
+        inf.next_publish_mono = now_mono + self.settings.stream_interval_ms / 1000
+        return True
 
     def _outcome(self, inf: InFlight, out: RequestOutput) -> jobs.Outcome:
         reason = out.finish_reason.value if out.finish_reason is not None else "stop"

@@ -21,9 +21,10 @@ One loop, one thread:
    decoded (bad ones go to the dead-letter stream), the job is claimed with a conditional UPDATE
    (``queued -> running``, or ``running -> running`` when the previous worker's heartbeat is stale) and
    becomes an engine ``Request``;
-5. ``engine.step()``: text deltas go to the per-job event streams (one pipeline per step), first-token
-   times to PostgreSQL (one UPDATE per step); finished requests are finalized: result row + ledger row +
-   fenced status update in one transaction, then the final event, then XACK (+XDEL).
+5. ``engine.step()``: text deltas go to the per-job event streams (one pipeline per step, its replies read
+   at the next step rather than waited for: worker/publisher.py), first-token times to PostgreSQL
+   (one UPDATE per step); finished requests are finalized: result row + ledger row + fenced status update in
+   one transaction, then the final event (after the job's last delta), then XACK (+XDEL).
 
 SIGTERM stops admission, lets in-flight jobs finish for ``shutdown_grace_seconds`` and hands the rest back
 (``running -> queued`` + a fresh message); exit status 0.
@@ -50,6 +51,7 @@ from inferq.settings import Settings, load_settings
 from worker.driver import EngineDriver, Final, InFlight
 from worker.jobstore import DBUnavailable, JobStore, is_db_outage
 from worker.metrics import WorkerMetrics
+from worker.publisher import DeltaPublisher
 from worker.streams import Message, StreamConsumer
 
 __all__ = ["DBUnavailable", "Final", "InFlight", "Message", "Worker", "exit_now", "is_db_outage", "main",
@@ -82,6 +84,7 @@ class Worker:
             self.redis, settings.stream_prefix, self.model, self.name, models_registry.describe_engine(engine),
             settings.heartbeat_seconds)
         self.driver = EngineDriver(engine, settings, self.metrics, self.log)
+        self.publisher = DeltaPublisher(self.redis, self.log)
         self.stopping = False
         self.stop_deadline = 0.0
         self.finalized = 0
@@ -125,6 +128,7 @@ class Worker:
                 redis_backoff = min(max(redis_backoff * 2, 0.1), 5.0)
                 self.log.error("redis unavailable; retrying", error=str(exc), retry_in=redis_backoff)
                 time.sleep(redis_backoff)
+        self.publisher.close()
         self._write_stats()
         try:
             self.registration.withdraw()
@@ -248,6 +252,7 @@ class Worker:
             self.log.info("message for a job not claimable; acknowledged", job_id=m.job.job_id, msg_id=m.msg_id)
             self.consumer.ack(pipe, m, m.job.job_id)
         if claims.expired or claims.gone:
+            self.publisher.flush()
             pipe.execute()
         for m, attempt, cancel_requested in claims.started:
             rejected = self.driver.start(m, attempt, cancel_requested)
@@ -261,11 +266,8 @@ class Worker:
         res = self.driver.step(pipe)
         self.store.pending_first += res.first_tokens
         self.store.final_q += res.finished
-        if res.published:
-            try:
-                pipe.execute()
-            except redis_lib.RedisError as exc:
-                self.log.warning("could not publish text deltas", error=str(exc))
+        if res.published:  # written now, its replies read at the next step (worker/publisher.py)
+            self.publisher.submit(pipe)
         if not self.store.down and (self.store.pending_first or self.store.final_q):
             self._flush_db()
 
@@ -300,6 +302,7 @@ class Worker:
                          prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
                          compute_seconds=round(o.compute_seconds, 6))
         self._write_stats(pipe)
+        self.publisher.flush()  # the jobs' last deltas before their final events
         try:
             pipe.execute()
         except redis_lib.RedisError as exc:  # committed already; the message is re-read and acknowledged later
@@ -335,6 +338,7 @@ class Worker:
         for m in self.store.start_q:  # never claimed: still queued in the database, just put the message back
             self.consumer.requeue(pipe, m, None)
         self.store.start_q.clear()
+        self.publisher.flush()
         try:
             pipe.execute()
         except redis_lib.RedisError as exc:

@@ -1,4 +1,4 @@
-"""The worker's Redis side: its consumer group on the job streams of one model, and the cancel channel.
+"""The worker's Redis side: its consumer group on the job streams of one model, the cancel and new-jobs channels.
 
 Separate from the loop so the queue protocol of docs/SERVICE.md reads in one place:
 
@@ -8,7 +8,10 @@ Separate from the loop so the queue protocol of docs/SERVICE.md reads in one pla
   than ``claim_idle_ms`` (their worker is dead), then ``XREADGROUP`` interactive before batch, round-robin
   over a tier's lanes (those of tenants this worker holds fewest jobs of first), so one tenant's backlog does
   not queue another's jobs behind it; plus up to ``newcomers`` jobs of tenants it holds none of, beyond the
-  room (the engine's fair share seats them at once); a short BLOCK only when the worker is idle;
+  room (the engine's fair share seats them at once); a short BLOCK only when the worker is idle. A busy
+  worker skips the lag probe (XINFO GROUPS, a round trip before every step) while its last probe found
+  nothing undelivered and no job was announced since on ``new_jobs_channel`` (every enqueue publishes
+  there), and probes anyway every ``QUIET_PROBE_SECONDS``, so a message added without a notice waits no longer;
 * cache-aware routing (``inferq.routing``): a job may wait in a worker's *routed lane* (listed in the
   tier's routes hash); a worker reads its own routed lanes like any lane, and takes from another worker's
   (``_takeover``) only what ``routing.may_take`` allows: all of it once the owner's registry heartbeat has
@@ -44,6 +47,7 @@ from inferq.contract import (
     cancel_channel,
     dead_letter_key,
     lanes_key,
+    new_jobs_channel,
     stream_key,
 )
 from inferq.jobs import routes
@@ -52,6 +56,7 @@ from inferq.settings import Settings
 from worker.metrics import WorkerMetrics
 
 LANE_REFRESH_SECONDS = 0.1  # how soon a new tenant's lane is read (one SMEMBERS per tier per refresh)
+QUIET_PROBE_SECONDS = 0.1  # how often a busy worker told of no new job looks at its streams anyway
 ROUTE_PRUNE_SECONDS = 60.0  # how often a worker removes the empty routed lanes of long-gone workers
 
 
@@ -94,11 +99,20 @@ class StreamConsumer:
         self.next_lane_refresh = 0.0
         self.next_route_prune = time.monotonic() + ROUTE_PRUNE_SECONDS
         self.turn = 0  # rotates the lanes' round-robin start, read by read
+        # read's probe of the streams (XINFO GROUPS) is skipped while nothing is undelivered and no new job was
+        # announced on new_jobs_channel since (``notices``); it runs anyway once ``next_probe`` has passed
+        self.quiet = False
+        self.next_probe = 0.0
 
     @property
     def streams(self) -> list[str]:
         """Every stream this worker reads, interactive ones first."""
         return [lane for tier in TIERS for lane in self.lanes[tier]]
+
+    @property
+    def known_streams(self) -> set[str]:
+        """``all_streams`` as a set."""
+        return {lane for tier in TIERS for lanes in (self.lanes[tier], self.foreign[tier]) for lane in lanes}
 
     @property
     def all_streams(self) -> list[str]:
@@ -161,22 +175,30 @@ class StreamConsumer:
             if self.pubsub is not None:
                 self.pubsub.close()
             self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            self.pubsub.subscribe(cancel_channel(self.prefix))
+            self.pubsub.subscribe(cancel_channel(self.prefix), new_jobs_channel(self.prefix, self.model))
+            self.quiet = False  # jobs announced before the subscription were not heard
         except redis_lib.RedisError as exc:
             self.pubsub = None
             self.log.warning("cannot subscribe to cancellations (the heartbeat still polls them)", error=str(exc))
 
     def cancelled_jobs(self) -> list[str]:
-        """Job ids published on the cancel channel since the last call (never blocks)."""
+        """Job ids published on the cancel channel since the last call (never blocks); a new job announced on
+        ``new_jobs_channel`` meanwhile ends ``read``'s quiet."""
         if self.pubsub is None:
             return []
         job_ids: list[str] = []
+        cancels = cancel_channel(self.prefix)
         try:
             while True:
                 msg = self.pubsub.get_message(timeout=0)
                 if msg is None:
                     break
                 if msg.get("type") != "message":
+                    continue
+                if _text(msg.get("channel") or b"") != cancels:  # a new job, on this stream
+                    self.quiet = False
+                    if _text(msg["data"]) not in self.known_streams:
+                        self.next_lane_refresh = 0.0  # a new lane: look it up at the next read
                     continue
                 data = msg["data"]
                 job_ids.append(data.decode() if isinstance(data, bytes) else str(data))
@@ -200,8 +222,14 @@ class StreamConsumer:
                 self.next_autoclaim = now + max(0.2, min(self.settings.heartbeat_seconds,
                                                          self.settings.claim_idle_ms / 2000))
                 got += self._autoclaim(n, held)
+            if not block and self.quiet and self.pubsub is not None and now < self.next_probe:
+                return got  # nothing was undelivered at the last probe, and no job was announced since
             load = Counter(m.stream for m in held())
             info = self._group_info() if n > len(got) or newcomers > 0 else {}
+            if info:
+                self.next_probe = now + QUIET_PROBE_SECONDS
+                # quiet only once every stream is known to hold nothing undelivered (lag 0; None: unknown)
+                self.quiet = all(lag == 0 for lag, _ in info.values())
             lag = {stream: lag for stream, (lag, _) in info.items()}
             self.turn += 1
             for tier in TIERS:  # interactive first
@@ -393,6 +421,8 @@ class StreamConsumer:
         this one: a job given back at shutdown."""
         pipe.xadd(m.stream, {"m": m.raw})
         tier = self._tier_of(m.stream)
+        if tier is not None:
+            pipe.publish(new_jobs_channel(self.prefix, self.model), m.stream)
         if routing.ROUTE_SEPARATOR in m.stream and tier is not None:
             routes.register_routed(pipe, self.prefix, self.model, tier, m.stream)
         if job_id:

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis as redis_lib
 
-from inferq.contract import DEFAULT_WEIGHT, encode_message, lanes_key, stream_key
+from inferq.contract import DEFAULT_WEIGHT, encode_message, lanes_key, new_jobs_channel, stream_key
 from inferq.db import Job, unix_time
 from inferq.jobs import routes
 from inferq.settings import Settings
@@ -36,15 +36,17 @@ def enqueued_key(prefix: str) -> str:
 def _push(pipe: Any, settings: Settings, job: Job, payload: bytes, owner: str | None = None) -> None:
     """Queue the XADD of ``payload``: to the tenant's lane of the tier (registered in the lanes set) under fair
     share, else to the tier's one stream; with an ``owner`` (cache-aware routing, ``inferq.jobs.routes``), to
-    that worker's routed lane of it instead (fairness lanes are kept: one routed lane per lane and owner)."""
+    that worker's routed lane of it instead (fairness lanes are kept: one routed lane per lane and owner). The
+    model's busy workers are told (the stream's name) on ``new_jobs_channel``."""
     prefix = settings.stream_prefix
     lane = stream_key(prefix, job.model, job.tier, job.tenant_id if settings.fair_share else None)
     if owner is not None:
-        routes.push_routed(pipe, prefix, job.model, job.tier, lane, owner, payload)
-        return
-    pipe.xadd(lane, {"m": payload})
-    if settings.fair_share:
-        pipe.sadd(lanes_key(prefix, job.model, job.tier), lane)
+        lane = routes.push_routed(pipe, prefix, job.model, job.tier, lane, owner, payload)
+    else:
+        pipe.xadd(lane, {"m": payload})
+        if settings.fair_share:
+            pipe.sadd(lanes_key(prefix, job.model, job.tier), lane)
+    pipe.publish(new_jobs_channel(prefix, job.model), lane)
 
 
 def _owner(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> str | None:

@@ -75,11 +75,13 @@ def choose_owner(redis: Any, settings: Settings, model: str, request: dict[str, 
     return routing.owner(routing.routing_key(request, cache_namespace, config_of(settings)), workers)
 
 
-def push_routed(pipe: Any, prefix: str, model: str, tier: str, lane: str, owner: str, payload: bytes) -> None:
-    """Queue the XADD of ``payload`` to ``owner``'s routed lane of ``lane`` and register that lane."""
+def push_routed(pipe: Any, prefix: str, model: str, tier: str, lane: str, owner: str, payload: bytes) -> str:
+    """Queue the XADD of ``payload`` to ``owner``'s routed lane of ``lane`` and register that lane; returns the
+    routed lane."""
     routed = routing.routed_lane(lane, owner)
     pipe.xadd(routed, {"m": payload})
     pipe.hset(routes_key(prefix, model, tier), routed, owner)
+    return routed
 
 
 def routed_lanes(redis: Any, prefix: str, model: str, tier: str) -> dict[str, str]:
