@@ -135,6 +135,8 @@ def weight_streaming(model, repeats: int = 5) -> dict | None:
 
 # --- where a step goes ---------------------------------------------------------------------------------------
 
+READ_EVERY = 8  # breakdown times a torch.sum over the weights' bytes after every this many steps
+
 class StepTimers:
     """Wall time per part of an engine step, in seconds summed over the steps run while installed."""
 
@@ -206,8 +208,12 @@ def weight_bytes(model) -> dict[str, int]:
 def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0, fused: bool = False) -> dict:
     """ms per decode step of ``batch`` sequences, per part, and the achieved read rate. ``fused``: the step as
     inferq runs it (every layer in one C call, kernels/decode_step.py), whose parts inside the forward are not
-    separable ("other forward" is then the whole layer stack); otherwise op by op, each part timed."""
+    separable ("other forward" is then the whole layer stack); otherwise op by op, each part timed. Every
+    ``READ_EVERY`` steps a ``torch.sum`` over as many bytes as the weights is timed too (``read_alt_gbs``): this
+    machine's bandwidth drifts by a third within minutes, so the share is judged against reads made alongside."""
     import random
+
+    import torch
 
     from scheduler.request import Request, SamplingParams
 
@@ -223,6 +229,10 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
         engine.step()  # prefill, untimed
     for _ in range(4):
         engine.step()  # warm decode steps
+    reads = torch.ones(sum(weight_bytes(model).values()) // 4)
+    reads.sum()  # first touch
+    read_s: list[float] = []
+    every = max(1, min(READ_EVERY, steps // 4))
     timers = StepTimers()
     timers.wrap(engine, "step", "step")
     timers.wrap(engine.scheduler, "schedule", "schedule")
@@ -235,9 +245,13 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     context = 0
     try:
         with timers.projections(projection_names(model)):
-            for _ in range(steps):
+            for i in range(steps):
                 context += sum(r.num_tokens for r in engine.scheduler.running)
                 engine.step()
+                if i % every == every - 1:
+                    t0 = time.perf_counter()
+                    reads.sum()
+                    read_s.append(time.perf_counter() - t0)
         fused_step = model._decode_step if fused else None  # use_decode_step below drops it
     finally:
         timers.unwrap()
@@ -259,6 +273,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     return {"batch": batch, "fused": fused, "head_in_step": bool(fused_step is not None and fused_step.has_head),
             "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes,
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": step_bytes, "achieved_gbs": step_bytes / t["step"] / 1e6,
+            "read_alt_gbs": reads.nbytes * len(read_s) / sum(read_s) / 1e9 if read_s else None,
             "projection_gbs": {kind: wbytes[kind] / parts[kind] / 1e6 for kind in wbytes if parts[kind] > 0}}
 
 
@@ -531,9 +546,9 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
 def _targets(result: dict) -> list[dict]:
     out = []
     for dtype, d in result["dtypes"].items():
-        b1 = _fused_rows(d)[0]["achieved_gbs"] / d["read_gbs"]
-        out.append({"target": f"{dtype}: batch-1 step at >= 85% of the measured read bandwidth", "measured": b1,
-                    "met": b1 >= 0.85})
+        b1 = _share(_fused_rows(d)[0], d["read_gbs"])
+        out.append({"target": f"{dtype}: batch-1 step at >= 85% of the measured read bandwidth (read alongside)",
+                    "measured": b1, "met": b1 >= 0.85})
         for row in d["streams"]:
             if "vs_offline" in row:
                 out.append({"target": f"{dtype}: service decode tok/s within 5% of offline", "measured":
@@ -551,6 +566,11 @@ def _targets(result: dict) -> list[dict]:
     return out
 
 
+def _share(row: dict, read_before: float) -> float:
+    """A breakdown row's read rate over the bandwidth read alongside its steps (older results: read before)."""
+    return row["achieved_gbs"] / (row.get("read_alt_gbs") or read_before)
+
+
 def _fused_rows(d: dict) -> list[dict]:
     """The breakdown rows of the step as inferq runs it (fused), batch 1 first; older results: all rows."""
     return [r for r in d["breakdown"] if r.get("fused", True)]
@@ -565,8 +585,12 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
     rows.append({"part": "step, fused", **{f"b{r['batch']}": r["step_ms"] for r in fused}})
     rows.append({"part": "  of which the fused call (with the LM head where in panels)", **{f"b{r['batch']}": r["parts_ms"]["other forward"] for r in fused}})
     rows.append({"part": "fused: achieved GB/s", **{f"b{r['batch']}": r["achieved_gbs"] for r in fused}})
-    rows.append({"part": "fused: share of read bandwidth",
+    rows.append({"part": "fused: share of read bandwidth read just before",
                  **{f"b{r['batch']}": r["achieved_gbs"] / bandwidth for r in fused}})
+    rows.append({"part": "fused: torch.sum GB/s, read alongside the steps",
+                 **{f"b{r['batch']}": r.get("read_alt_gbs") or 0.0 for r in fused}})
+    rows.append({"part": "fused: share of read bandwidth read alongside (the target's)",
+                 **{f"b{r['batch']}": _share(r, bandwidth) for r in fused}})
     b1 = op_rows[0]
     proj = ", ".join(f"{k} {v:.1f}" for k, v in b1["projection_gbs"].items())
     streams = [{k: v for k, v in s.items() if k != "outputs"} for s in d["streams"]]
@@ -600,9 +624,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--tag", default="latency", help="the results file's name (bench/results/<tag>.json)")
     a = p.parse_args(argv)
     run(a.model, dtypes=tuple(a.dtype.split(",")), engines=tuple(a.engines.split(",")), max_tokens=a.max_tokens,
-        quick=a.quick, out=a.out)
+        quick=a.quick, out=a.out, tag=a.tag)
 
 
 if __name__ == "__main__":

@@ -64,16 +64,19 @@ class AttentionMetadata:
         """Metadata from host arrays (one host→device copy per array)."""
         seq_lens = np.asarray(seq_lens, dtype=np.int32)
         qsl = np.asarray(query_start_loc, dtype=np.int32)
-        qlens = np.diff(qsl)
-        not_decode = np.flatnonzero(qlens != 1)
-        num_decodes = int(not_decode[0]) if not_decode.size else int(qlens.shape[0])
+        if qsl.shape[0] > 1 and int(qsl[-1]) == qsl.shape[0] - 1:  # one token each (every length is >= 1)
+            qlens, num_decodes = np.ones(qsl.shape[0] - 1, dtype=np.int32), qsl.shape[0] - 1
+        else:
+            qlens = np.diff(qsl)
+            not_decode = np.flatnonzero(qlens != 1)
+            num_decodes = int(not_decode[0]) if not_decode.size else int(qlens.shape[0])
         dev = torch.device(device)
         return cls(
             slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(dev),
             block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
-            max_query_len=int(qlens.max()) if qlens.size else 0,
+            max_query_len=(1 if num_decodes == qlens.size else int(qlens.max())) if qlens.size else 0,
             max_seq_len=int(seq_lens.max()) if seq_lens.size else 0,
             block_size=block_size,
             scale=scale,

@@ -218,6 +218,10 @@ class DecodeStep:
         return logits
 
 
+_NO_CHUNKS = (0, torch.zeros((0, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+              torch.zeros(0, dtype=torch.int32))
+
+
 def _step_plan(meta):
     """The step's int32 tables as the attention kernels read them: slots; the leading decodes' (count, block
     tables, lengths, longest); the chunks after them (count, block tables, first rows counted from the first
@@ -227,6 +231,8 @@ def _step_plan(meta):
     tables = meta.block_tables[:nd].to(torch.int32).contiguous()
     lens = meta.seq_lens[:nd].to(torch.int32).contiguous()
     decodes = (nd, tables, lens, int(meta.seq_lens_host[:nd].max()) if nd else 0)
+    if nd == ns:  # no chunks (the usual small step): nothing of theirs is read
+        return slots, decodes, _NO_CHUNKS
     qsl = meta.query_start_loc_host
     starts = torch.from_numpy((qsl[nd:] - qsl[nd]).astype(np.int32))
     ctx = torch.from_numpy((meta.seq_lens_host[nd:ns] - np.diff(qsl[nd:])).astype(np.int32))

@@ -31,6 +31,7 @@ from worker.weights import QUANTIZED_AT_LOAD
 log = get_logger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MAX_FAST_DECODES = 32  # _prepare_decodes' Python loop takes steps of up to this many decodes
 
 
 @dataclass
@@ -207,6 +208,9 @@ class ModelRunner:
 
     def _prepare(self, batch: Sequence[tuple[Request, int]]) -> StepInputs:
         """The flattened model inputs of one step, decodes first (stable), then prefill chunks."""
+        decodes = self._prepare_decodes(batch)
+        if decodes is not None:
+            return decodes
         q_lens, starts, totals = _check_batch(batch)
         order = np.concatenate([np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens != 1)])
         reqs = [batch[i][0] for i in order]
@@ -238,6 +242,38 @@ class ModelRunner:
             num_logits=num_logits,
             logits_indices=logits_indices,
         )
+
+    def _prepare_decodes(self, batch: Sequence[tuple[Request, int]]) -> StepInputs | None:
+        """``_prepare``'s inputs for a step of plain decodes only (one new token each, the last of its request,
+        no proposals), built from Python ints; None for any other step. Why: at a few sequences the general
+        path's thirty-odd numpy calls are most of the step's Python, and they run with the caches cold (the
+        step before streamed every weight through them): 0.28 ms of a 6.8 ms bfloat16 step measured."""
+        if not batch or len(batch) > MAX_FAST_DECODES:
+            return None
+        bs, num_blocks = self.block_size, self.num_blocks
+        ids, positions, slots, tables = [], [], [], []
+        for r, n in batch:
+            pos = r.num_computed_tokens
+            if n != 1 or r.spec_token_ids or pos + 1 != r.num_tokens:
+                return None
+            table = r.block_table[: pos // bs + 1]
+            if len(table) <= pos // bs or min(table) < 0 or max(table) >= num_blocks:
+                return None  # the general path says what is wrong
+            ids.append(r.output_token_ids[pos - r.num_prompt_tokens] if pos >= r.num_prompt_tokens
+                       else r.prompt_token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+        s = len(batch)
+        block_tables = np.zeros((s, max(map(len, tables))), dtype=np.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = table
+        rows = np.arange(s, dtype=np.int64)
+        return StepInputs(order=rows, requests=[r for r, _ in batch], input_ids=ids,
+                          positions=np.array(positions, dtype=np.int64), slot_mapping=np.array(slots, dtype=np.int64),
+                          block_tables=block_tables, seq_lens=np.array(positions, dtype=np.int64) + 1,
+                          query_start_loc=np.arange(s + 1, dtype=np.int64), sample_rows=rows,
+                          num_logits=np.ones(s, dtype=np.int64), logits_indices=rows)
 
     def _block_tables(self, reqs: list[Request], seq_lens: np.ndarray) -> np.ndarray:
         """int32 ``[S, max_blocks]``: each request's first blocks covering its ``seq_lens`` tokens, zero-padded."""

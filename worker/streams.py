@@ -100,7 +100,7 @@ class StreamConsumer:
         self.next_route_prune = time.monotonic() + ROUTE_PRUNE_SECONDS
         self.turn = 0  # rotates the lanes' round-robin start, read by read
         # read's probe of the streams (XINFO GROUPS) is skipped while nothing is undelivered and no new job was
-        # announced on new_jobs_channel since (``notices``); it runs anyway once ``next_probe`` has passed
+        # announced on new_jobs_channel since (heard by cancelled_jobs); it runs anyway once next_probe passes
         self.quiet = False
         self.next_probe = 0.0
 

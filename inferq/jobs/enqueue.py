@@ -33,11 +33,13 @@ def enqueued_key(prefix: str) -> str:
     return f"{prefix}:enqueued"
 
 
-def _push(pipe: Any, settings: Settings, job: Job, payload: bytes, owner: str | None = None) -> None:
+def _push(pipe: Any, settings: Settings, job: Job, payload: bytes, owner: str | None = None,
+          announce: bool = True) -> str:
     """Queue the XADD of ``payload``: to the tenant's lane of the tier (registered in the lanes set) under fair
     share, else to the tier's one stream; with an ``owner`` (cache-aware routing, ``inferq.jobs.routes``), to
     that worker's routed lane of it instead (fairness lanes are kept: one routed lane per lane and owner). The
-    model's busy workers are told (the stream's name) on ``new_jobs_channel``."""
+    model's busy workers are told (the stream's name) on ``new_jobs_channel`` unless ``announce`` is False (the
+    caller announces the returned stream itself)."""
     prefix = settings.stream_prefix
     lane = stream_key(prefix, job.model, job.tier, job.tenant_id if settings.fair_share else None)
     if owner is not None:
@@ -46,7 +48,9 @@ def _push(pipe: Any, settings: Settings, job: Job, payload: bytes, owner: str | 
         pipe.xadd(lane, {"m": payload})
         if settings.fair_share:
             pipe.sadd(lanes_key(prefix, job.model, job.tier), lane)
-    pipe.publish(new_jobs_channel(prefix, job.model), lane)
+    if announce:
+        pipe.publish(new_jobs_channel(prefix, job.model), lane)
+    return lane
 
 
 def _owner(redis: Any, settings: Settings, job: Job, cache_namespace: str) -> str | None:
@@ -90,8 +94,10 @@ def enqueue_many(redis: Any, settings: Settings, jobs_ns: Sequence[tuple[Job, st
             bad.update(exc.reasons)
     if payloads:
         pipe = redis.pipeline(transaction=True)
-        for job, payload, owner in payloads:
-            _push(pipe, settings, job, payload, owner)
+        lanes = {(job.model, _push(pipe, settings, job, payload, owner, announce=False))
+                 for job, payload, owner in payloads}
+        for model, lane in sorted(lanes):  # one notice per stream, not per job (a Batch API file has thousands)
+            pipe.publish(new_jobs_channel(settings.stream_prefix, model), lane)
         pipe.sadd(enqueued_key(settings.stream_prefix), *[job.id for job, _, _ in payloads])
         pipe.execute()
     if bad:

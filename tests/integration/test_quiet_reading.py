@@ -102,3 +102,29 @@ def test_a_handed_back_job_is_announced(setup) -> None:
     pipe.execute()
     _hear_notices(consumer)
     assert [x.job.job_id for x in consumer.decode(consumer.read(4, False, lambda: []))] == ["given-back"]
+
+
+def test_a_batch_of_jobs_is_announced_once_per_stream(setup) -> None:
+    from inferq.contract import new_jobs_channel
+    from inferq.db import Job
+    from inferq.jobs import enqueue_many
+
+    settings, r, consumer = setup
+    listener = r.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(new_jobs_channel(settings.stream_prefix, "m"))
+    assert _read(consumer) == [] and consumer.quiet
+    consumer.next_probe = time.monotonic() + 3600
+    batch = [(Job(id=f"b{i}", tenant_id=f"t{i % 2}", model="m", tier="batch", priority=0,
+                  request={"prompt": "x", "max_tokens": 1}, deadline_at=None, queued_at=None), "ns") for i in range(6)]
+    enqueue_many(r, settings, batch)
+    heard, deadline = [], time.monotonic() + 5
+    while len(heard) < 2 and time.monotonic() < deadline:
+        msg = listener.get_message(timeout=0.1)
+        if msg:
+            heard.append(msg["data"].decode())
+    assert sorted(heard) == sorted({s.decode() for s in r.smembers(f"{settings.stream_prefix}:lanes:m:batch")})
+    assert listener.get_message(timeout=0.2) is None  # two tenants' lanes: two notices for six jobs
+    listener.close()
+    consumer.next_lane_refresh = time.monotonic() + 3600  # the lanes are new: the notices alone find them
+    _hear_notices(consumer)
+    assert len(_read(consumer, 10)) == 6
