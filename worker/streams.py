@@ -11,7 +11,7 @@ Separate from the loop so the queue protocol of docs/SERVICE.md reads in one pla
   room (the engine's fair share seats them at once); a short BLOCK only when the worker is idle. A busy
   worker skips the lag probe (XINFO GROUPS, a round trip before every step) while its last probe found
   nothing undelivered and no job was announced since on ``new_jobs_channel`` (every enqueue publishes
-  there), and probes anyway every ``QUIET_PROBE_SECONDS``, so a message added without a notice waits no longer;
+  there), and probes anyway every ``QUIET_PROBE_SECONDS``, the longest a message added without one waits;
 * cache-aware routing (``inferq.routing``): a job may wait in a worker's *routed lane* (listed in the
   tier's routes hash); a worker reads its own routed lanes like any lane, and takes from another worker's
   (``_takeover``) only what ``routing.may_take`` allows: all of it once the owner's registry heartbeat has
