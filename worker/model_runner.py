@@ -268,10 +268,10 @@ class ModelRunner:
         block_tables = np.zeros((s, max(map(len, tables))), dtype=np.int32)
         for i, table in enumerate(tables):
             block_tables[i, : len(table)] = table
-        rows = np.arange(s, dtype=np.int64)
+        rows, pos = np.arange(s, dtype=np.int64), np.array(positions, dtype=np.int64)
         return StepInputs(order=rows, requests=[r for r, _ in batch], input_ids=ids,
-                          positions=np.array(positions, dtype=np.int64), slot_mapping=np.array(slots, dtype=np.int64),
-                          block_tables=block_tables, seq_lens=np.array(positions, dtype=np.int64) + 1,
+                          positions=pos, slot_mapping=np.array(slots, dtype=np.int64),
+                          block_tables=block_tables, seq_lens=pos + 1,
                           query_start_loc=np.arange(s + 1, dtype=np.int64), sample_rows=rows,
                           num_logits=np.ones(s, dtype=np.int64), logits_indices=rows)
 

@@ -110,11 +110,6 @@ class StreamConsumer:
         return [lane for tier in TIERS for lane in self.lanes[tier]]
 
     @property
-    def known_streams(self) -> set[str]:
-        """``all_streams`` as a set."""
-        return {lane for tier in TIERS for lanes in (self.lanes[tier], self.foreign[tier]) for lane in lanes}
-
-    @property
     def all_streams(self) -> list[str]:
         """``streams`` plus the other workers' routed lanes (taken over and reclaimed from when due)."""
         return self.streams + [lane for tier in TIERS for lane in self.foreign[tier]]
@@ -197,7 +192,7 @@ class StreamConsumer:
                     continue
                 if _text(msg.get("channel") or b"") != cancels:  # a new job, on this stream
                     self.quiet = False
-                    if _text(msg["data"]) not in self.known_streams:
+                    if _text(msg["data"]) not in self.all_streams:
                         self.next_lane_refresh = 0.0  # a new lane: look it up at the next read
                     continue
                 data = msg["data"]
