@@ -207,8 +207,10 @@ def weight_bytes(model) -> dict[str, int]:
 
 def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0, fused: bool = False) -> dict:
     """ms per decode step of ``batch`` sequences, per part, and the achieved read rate. ``fused``: the step as
-    inferq runs it (every layer in one C call, kernels/decode_step.py), whose parts inside the forward are not
-    separable ("other forward" is then the whole layer stack); otherwise op by op, each part timed. Every
+    inferq runs it (every layer in one C call, kernels/decode_step.py: "other forward" is then the whole layer
+    stack, and its build with ``INFERQ_STEP_PHASES`` times each phase inside the call, ``fused_phases_ms``: the
+    products, attention, and each thread's wait at the barrier after a product); otherwise op by op, each part
+    timed. Every
     ``READ_EVERY`` steps a ``torch.sum`` over as many bytes as the weights is timed too (``read_alt_gbs``): this
     machine's bandwidth drifts by a third within minutes, so the share is judged against reads made alongside."""
     import random
@@ -229,6 +231,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
         engine.step()  # prefill, untimed
     for _ in range(4):
         engine.step()  # warm decode steps
+    phased = _time_phases(model) if fused else None
     reads = torch.ones(sum(weight_bytes(model).values()) // 4)
     reads.sum()  # first touch
     read_s: list[float] = []
@@ -253,6 +256,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
                     reads.sum()
                     read_s.append(time.perf_counter() - t0)
         fused_step = model._decode_step if fused else None  # use_decode_step below drops it
+        phases = _phases_per_step(phased, steps) if phased is not None else None
     finally:
         timers.unwrap()
         model.use_decode_step(True)
@@ -271,10 +275,38 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     kv_bytes = 2 * len(runner.kv_caches) * (context / steps) * cache.shape[2] * cache.shape[3] * cache.element_size()
     step_bytes = sum(wbytes.values()) + kv_bytes
     return {"batch": batch, "fused": fused, "head_in_step": bool(fused_step is not None and fused_step.has_head),
-            "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes,
+            "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes, "fused_phases_ms": phases,
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": step_bytes, "achieved_gbs": step_bytes / t["step"] / 1e6,
             "read_alt_gbs": reads.nbytes * len(read_s) / sum(read_s) / 1e9 if read_s else None,
             "projection_gbs": {kind: wbytes[kind] / parts[kind] / 1e6 for kind in wbytes if parts[kind] > 0}}
+
+
+def _time_phases(model):
+    """The fused step's library swapped for its build that times each phase (``INFERQ_STEP_PHASES``), counters
+    cleared; None where the step is not fused or that build fails."""
+    from kernels import decode_step
+
+    step = model._decode_step
+    lib = decode_step.build({"INFERQ_STEP_PHASES": None})
+    if step is None or lib is None:
+        return None
+    step.lib = lib
+    decode_step.phase_times(lib, _threads())
+    return lib
+
+
+def _phases_per_step(lib, steps: int) -> dict[str, float]:
+    """ms per step of each of the fused step's phases, the mean over the team's threads."""
+    from kernels import decode_step
+
+    per_thread = decode_step.phase_times(lib, _threads())
+    return {name: sum(t[name] for t in per_thread) / len(per_thread) / steps * 1000 for name in decode_step.PHASES}
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 # --- one request at a time -------------------------------------------------------------------------------------
@@ -591,6 +623,10 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
                  **{f"b{r['batch']}": r.get("read_alt_gbs") or 0.0 for r in fused}})
     rows.append({"part": "fused: share of read bandwidth read alongside (the target's)",
                  **{f"b{r['batch']}": _share(r, bandwidth) for r in fused}})
+    if all(r.get("fused_phases_ms") for r in fused):
+        rows.append({"part": "  the fused call by phase, ms per step (thread means):"})
+        rows += [{"part": f"    {name}", **{f"b{r['batch']}": r["fused_phases_ms"][name] for r in fused}}
+                 for name in fused[0]["fused_phases_ms"]]
     b1 = op_rows[0]
     proj = ", ".join(f"{k} {v:.1f}" for k, v in b1["projection_gbs"].items())
     streams = [{k: v for k, v in s.items() if k != "outputs"} for s in d["streams"]]

@@ -47,6 +47,9 @@ MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
 # simd.h's ELEM_F32, ELEM_BF16, ELEM_I8 and ELEM_F8 (the quantised caches' rows of codes + scale)
 ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, kv_quant.FP8_ROWS: 3}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# decode_step.c's phases, in its order, as the build with INFERQ_STEP_PHASES times them (phase_times)
+PHASES = ("norms", "qkv", "wait after qkv", "rope + cache write", "attention", "o", "wait after o", "gate_up",
+          "wait after gate_up", "silu_mul", "down", "wait after down", "lm_head")
 
 
 class _Proj(ctypes.Structure):
@@ -82,7 +85,19 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     lib.set_avx512.argtypes = [_I]
     lib.f8_from_f32.argtypes = [_F]  # the cache write's float8 conversion (tests compare it with torch's)
     lib.f8_from_f32.restype = ctypes.c_uint8
+    if hasattr(lib, "step_phases"):
+        lib.step_phases.argtypes = [_P, _I]
+        lib.step_phases.restype = _I
     return lib
+
+
+def phase_times(lib: ctypes.CDLL, threads: int) -> list[dict[str, float]]:
+    """Per thread, the seconds each phase (:data:`PHASES`) took since the last call, from a library built with
+    ``{"INFERQ_STEP_PHASES": None}`` (bench/latency.py's breakdown of the fused step); the counters restart."""
+    out = (ctypes.c_double * (threads * len(PHASES)))()
+    n = lib.step_phases(ctypes.cast(out, _P), threads)
+    assert n == len(PHASES), "decode_step.c's phases and PHASES differ"
+    return [{name: out[t * n + i] / 1e9 for i, name in enumerate(PHASES)} for t in range(threads)]
 
 
 @functools.cache

@@ -20,6 +20,43 @@
 
 #include "simd.h"
 
+/* Built with INFERQ_STEP_PHASES (bench/latency.py's breakdown only): each thread adds the wall time of every
+   phase of the step to phase_ns[thread][phase], read and cleared by step_phases(); otherwise PHASE() is nothing.
+   A product's phase ends when its share is done; the wait at the barrier after it is a phase of its own. */
+#ifdef INFERQ_STEP_PHASES
+#include <omp.h>
+#include <time.h>
+enum { PH_NORM, PH_QKV, PH_WAIT_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_WAIT_O, PH_GATE_UP, PH_WAIT_GATE_UP, PH_SILU,
+       PH_DOWN, PH_WAIT_DOWN, PH_HEAD, PH_COUNT };
+#define PHASE_THREADS 64
+static double phase_ns[PHASE_THREADS][PH_COUNT];
+static inline double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+#define PHASE_START() double ph_last = now_ns(); const int ph_tid = omp_get_thread_num() % PHASE_THREADS
+#define PHASE(P)                                                                                             \
+    do {                                                                                                     \
+        const double ph_now = now_ns();                                                                      \
+        phase_ns[ph_tid][P] += ph_now - ph_last;                                                             \
+        ph_last = ph_now;                                                                                    \
+    } while (0)
+/* out[t * PH_COUNT + p]: thread t's nanoseconds in phase p since the last call, for min(threads, PHASE_THREADS)
+   threads; returns the phase count */
+int step_phases(double* out, int threads) {
+    for (int t = 0; t < threads && t < PHASE_THREADS; t++)
+        for (int p = 0; p < PH_COUNT; p++) {
+            out[t * PH_COUNT + p] = phase_ns[t][p];
+            phase_ns[t][p] = 0.0;
+        }
+    return PH_COUNT;
+}
+#else
+#define PHASE_START() do { } while (0)
+#define PHASE(P) do { } while (0)
+#endif
+
 /* the ops it chains, from their own sources in this library */
 void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys, int M,
                int N, int K, int accumulate);
@@ -233,30 +270,44 @@ int decode_step(const step_args* a) {
 #pragma omp atomic update
         err |= ok ? 0 : 2;
 #pragma omp barrier
+        PHASE_START();
         for (int l = 0; l < a->L && !err; l++) { /* err is read by all after a barrier: the same in every thread */
             const step_layer* w = a->layers + l;
             rms_norm_f32(a->x, H, w->input_norm, h, H, M, H, a->eps);
+            PHASE(PH_NORM);
             product(&w->qkv, h, H, a->qkv, nqkv, M, nqkv, H, 0);
+            PHASE(PH_QKV);
 #pragma omp barrier
+            PHASE(PH_WAIT_QKV);
 #pragma omp single
             {
                 (a->rope_half ? rope_half_f32 : rope_interleaved_f32)(a->qkv, nqkv, a->rot, D, M, a->Hq + a->Hkv,
                                                                       D / 2);
                 write_kv(a, w);
             }
+            PHASE(PH_ROPE_KV);
             const int e = attend(a, w); /* ends with the team's barrier */
             if (e) {
 #pragma omp atomic write
                 err = e;
             }
+            PHASE(PH_ATTN);
             product(&w->o, a->attn, nq, a->x, H, M, H, nq, 1);
+            PHASE(PH_O);
 #pragma omp barrier
+            PHASE(PH_WAIT_O);
             rms_norm_f32(a->x, H, w->post_norm, h, H, M, H, a->eps);
+            PHASE(PH_NORM);
             product(&w->gate_up, h, H, a->gu, 2 * I, M, 2 * I, H, 0);
+            PHASE(PH_GATE_UP);
 #pragma omp barrier
+            PHASE(PH_WAIT_GATE_UP);
             silu_mul_to_f32(a->gu, 2 * I, h, I, M, I);
+            PHASE(PH_SILU);
             product(&w->down, h, I, a->x, H, M, H, I, 1);
+            PHASE(PH_DOWN);
 #pragma omp barrier
+            PHASE(PH_WAIT_DOWN);
         }
         if (a->head.w && !err) {
             for (int r = 0; r < a->R; r++) {
@@ -264,6 +315,7 @@ int decode_step(const step_args* a) {
                 rms_norm_f32(a->x + row * H, H, a->final_norm, h + (int64_t)r * H, H, 1, H, a->eps);
             }
             product(&a->head, h, H, a->logits, a->V, a->R, a->V, H, 0);
+            PHASE(PH_HEAD);
         }
         free(h);
     }

@@ -287,6 +287,26 @@ def test_other_paths_agree(tiny_dirs, monkeypatch, variant):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
 
 
+def test_the_phase_timing_build_times_every_phase_and_changes_nothing(tiny_dirs, monkeypatch):
+    """bench latency's build of the step (``INFERQ_STEP_PHASES``): the same logits bit for bit, and per thread
+    the time of each phase of the steps it ran (every product, attention and the head nonzero), read once."""
+    lib = decode_step.build({"INFERQ_STEP_PHASES": None})
+    assert lib is not None and hasattr(lib, "step_phases") and not hasattr(decode_step.load(), "step_phases")
+    threads = torch.get_num_threads()
+    decode_step.phase_times(lib, threads)  # clear
+    monkeypatch.setattr(decode_step, "load", lambda: lib)
+    plain, fused = fused_and_op_by_op(tiny_dirs["llama"], prompts(2))
+    for a, b in zip(plain, fused, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+    per_thread = decode_step.phase_times(lib, threads)
+    assert len(per_thread) == threads and all(set(t) == set(decode_step.PHASES) for t in per_thread)
+    for name in ("qkv", "o", "gate_up", "down", "attention", "lm_head"):
+        assert per_thread[0][name] > 0, name
+    assert all(v >= 0 for t in per_thread for v in t.values())
+    assert all(v == 0 for t in decode_step.phase_times(lib, threads) for v in t.values())  # read clears
+
+
 def test_packed_gemm_library_still_exports_its_own_entry_points():
     lib = packed_gemm._load()
     assert lib is not None and lib.gemm_has_avx512() in (0, 1)
