@@ -5,8 +5,8 @@
    The micro-kernel holds an mr x 16 block of the output in registers (AVX2: mr <= 6, 12 ymm accumulators, the
    BLIS-style 6x16 shape; AVX-512: mr <= 12, one zmm per row); for each k it loads the panel's 16 weights once
    and broadcasts each of the mr inputs. Rows are split into near-equal tiles (M = 8 runs as 4 + 4 with AVX2,
-   not 6 + 2); the panel, K x 64 bytes, stays in L1/L2 while its tiles run, and the first tile of a panel
-   prefetches the next one, so the DRAM read of the weight overlaps the FMAs. Panels are shared out over torch's
+   not 6 + 2); the panel, K x 64 bytes, stays in L1/L2 while its tiles run, and the first tile prefetches ahead
+   (the next panel, or at decode sizes a few KB of the same stream), so the DRAM read overlaps the FMAs. Panels are shared out over torch's
    OpenMP threads. Tiles of one to three rows (decode) split k over two or four sets of accumulators, so FMA
    latency does not pace the weight stream (build option INFERQ_NO_SPLIT_K: one set, for side-by-side timing).
    Needs AVX2 + FMA (without them the caller keeps torch's GEMM). */
@@ -29,6 +29,11 @@
 #define SPLIT_K(MR) ((MR) == 1 ? 4 : (MR) <= 3 ? 2 : 1)
 #endif
 #define X_BLOCK_BYTES (192 * 1024) /* see gemm_share */
+/* How far ahead of its loads a decode-sized tile prefetches, in the weight's own stream: by Little's law, enough
+   lines in flight to cover a DRAM latency of ~200 ns at ~20 GB/s per core (64 lines). Prefetching the whole next
+   panel instead (36-98 KB ahead on SmolLM2's shapes) ran 3-7% slower per batch-1 step (docs/BENCHMARKS.md,
+   session 15). */
+#define PREFETCH_AHEAD 4096
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
    call site (always_inline), so the row loops unroll and the accumulators live in registers. */
@@ -175,7 +180,9 @@ int gemm_has_avx512(void) { return TILE_ROWS == 12; }
    w_bytes per element, one tile of at most tile_rows rows at a time. Large M runs in row blocks whose x rows
    (about X_BLOCK_BYTES) stay in L2 while every panel of the thread's share passes over them; without blocks,
    each panel re-read all M rows of x from L3 (for a 2048 x 576 prefill chunk, 4.7 MB per 16 output columns).
-   The first tile of each panel prefetches the next panel. */
+   Where a panel has several tiles, the first prefetches the next panel while the others reuse this one from
+   cache; a panel of one tile (decode sizes) prefetches PREFETCH_AHEAD bytes ahead of its own loads, which near
+   its end runs into the next panel (panels are contiguous; a prefetch past the weight's end does not fault). */
 static void gemm_share(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int w_bytes, const void* x,
                        int64_t xs, const void* wp, const float* b, void* y, int64_t ys, int M, int N, int K,
                        int accumulate) {
@@ -196,7 +203,7 @@ static void gemm_share(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, in
             int m0 = r0;
             for (int t = 0; t < tiles; t++) {
                 const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
-                const char* next = (t == 0 && p + 1 < np) ? w + panel_bytes : 0;
+                const char* next = t > 0 ? 0 : tiles == 1 ? w + PREFETCH_AHEAD : p + 1 < np ? w + panel_bytes : 0;
                 tile(mr, (const char*)x + (int64_t)m0 * xs * x_bytes, xs, w, K,
                      (char*)y + ((int64_t)m0 * ys + n0) * y_bytes, ys, b ? b + n0 : 0, nc, accumulate, next);
                 m0 += mr;
