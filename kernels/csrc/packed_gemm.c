@@ -6,9 +6,10 @@
    BLIS-style 6x16 shape; AVX-512: mr <= 12, one zmm per row); for each k it loads the panel's 16 weights once
    and broadcasts each of the mr inputs. Rows are split into near-equal tiles (M = 8 runs as 4 + 4 with AVX2,
    not 6 + 2); the panel, K x 64 bytes, stays in L1/L2 while its tiles run, and the first tile prefetches ahead
-   (the next panel, or at decode sizes a few KB of the same stream), so the DRAM read overlaps the FMAs. Panels are shared out over torch's
-   OpenMP threads. Tiles of one to three rows (decode) split k over two or four sets of accumulators, so FMA
-   latency does not pace the weight stream (build option INFERQ_NO_SPLIT_K: one set, for side-by-side timing).
+   (the next panel, or at decode sizes a few KB of its own stream), so the DRAM read overlaps the FMAs. Panels
+   are shared out over torch's OpenMP threads. Tiles of one to three rows (decode) split k over two or four sets
+   of accumulators, so FMA latency does not pace the weight stream (build option INFERQ_NO_SPLIT_K: one set, for
+   side-by-side timing).
    Needs AVX2 + FMA (without them the caller keeps torch's GEMM). */
 #include <stdint.h>
 #include <string.h>
@@ -31,8 +32,8 @@
 #define X_BLOCK_BYTES (192 * 1024) /* see gemm_share */
 /* How far ahead of its loads a decode-sized tile prefetches, in the weight's own stream: by Little's law, enough
    lines in flight to cover a DRAM latency of ~200 ns at ~20 GB/s per core (64 lines). Prefetching the whole next
-   panel instead (36-98 KB ahead on SmolLM2's shapes) ran 3-7% slower per batch-1 step (docs/BENCHMARKS.md,
-   session 15). */
+   panel instead (36-98 KB ahead on SmolLM2's shapes) made a decode step up to 6% slower at batch 1 and 13% at
+   batch 4-8 (docs/BENCHMARKS.md, session 15). */
 #define PREFETCH_AHEAD 4096
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
