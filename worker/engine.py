@@ -94,9 +94,11 @@ class LLMEngine:
             settings = Settings(**{**settings.model_dump(), **options})
         self.settings = settings
         if runner is None:
+            from kernels import plan_cache
             from worker.loader import resolve_model
             from worker.model_runner import ModelRunner
 
+            plan_cache.use(settings.kernel_plan_dir if settings.kernel_plan_cache else None)
             model_dir = resolve_model(settings.model, settings)
             runner = ModelRunner(
                 model_dir, dtype=settings.dtype, device=settings.device, kv_cache_bytes=_target_kv_bytes(settings, model_dir),

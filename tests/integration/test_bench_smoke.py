@@ -181,6 +181,34 @@ def test_latency_smoke(tiny, tmp_path):
     assert ours["decode_tok_s"] > 0 and ours["tpot_p50_ms"] > 0 and ours["ttft_p50_ms"] > 0
 
 
+def test_latency_quantised_weights_count_the_bytes_their_decode_form_reads(tiny, tmp_path):
+    """``--dtype int8,int4``: the breakdown judges a quantised step by the bytes its decode-sized products read
+    (the panels: codes and scales), not by a float weight's; the float-only weights-alone pass is left out."""
+    from bench import latency
+    from kernels.quant_gemm import QuantLinear
+
+    latency.run(str(tiny), dtypes=("float32", "int8", "int4"), engines=("inferq",), quick=True, out=tmp_path,
+                log=_quiet)
+    data = json.loads((tmp_path / "latency.json").read_text())["dtypes"]
+    floats = data["float32"]["breakdown"][0]["weight_bytes"]
+    for fmt, bits in (("int8", 8), ("int4", 4)):
+        d = data[fmt]
+        assert d["weight_streaming"] is None
+        for row in d["breakdown"]:
+            wb = row["weight_bytes"]
+            for kind, n in wb.items():  # codes at `bits` per weight, plus scales (and int4's offsets)
+                b = 8 if kind == "lm_head" else bits  # int4 keeps a tied head, the embedding table, at int8
+                assert floats[kind] * b / 32 < n < floats[kind] * (b + 4) / 32, (fmt, kind)
+            assert row["bytes_per_step"] == pytest.approx(sum(wb.values()) + row["kv_bytes_per_step"])
+            assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6)
+        op_by_op = next(r for r in d["breakdown"] if not r["fused"])
+        assert all(op_by_op["parts_ms"][k] > 0 for k in latency.PROJECTIONS)  # quantised products are timed
+        assert d["streams"][0]["decode_tok_s"] > 0
+    with pytest.raises(SystemExit):
+        latency.main(["--dtype", "int3"])
+    assert QuantLinear  # the class whose calls the projection timers patch
+
+
 def _services_down() -> list[str]:
     """The test services (started by `make test`, scripts/services.sh) that do not answer."""
     down = []
