@@ -10,17 +10,9 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kernels.native import cpu_model  # noqa: F401 - re-exported: the benchmarks' machine line
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_flags() -> set[str]:

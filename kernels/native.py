@@ -45,6 +45,19 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-Wall", "-Wextra")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def cpu_flags() -> str:
     """The ``flags`` line of /proc/cpuinfo ('' where there is none)."""
     try:

@@ -79,15 +79,9 @@ def fingerprint() -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    from kernels.native import cpu_model
 
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def use(directory: Path | None) -> None:
