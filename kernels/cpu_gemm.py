@@ -6,7 +6,8 @@ checkpoint's layout) or ``[in, out]``, and the product computed as ``x @ W^T`` (
 by up to 2x (measured per CPU in docs/BENCHMARKS.md, "CPU kernels"), so a fixed choice is wrong somewhere.
 :func:`plan` times the candidates once per weight shape at load (a few M values standing for decode-sized,
 mid and prefill-sized batches, interleaved, best of several runs), keeps the weight in the winning layout
-(one copy, never two) and records the best form per M bucket. The result is cached per shape for the process.
+(one copy, never two) and records the best form per M bucket. The result is cached per shape for the process,
+and on disk for the machine where the engine turns that on (:mod:`kernels.plan_cache`: a later load reads it).
 Off the CPU the plan is plain ``F.linear``.
 
 A third layout, "pk", is this project's own kernel (:mod:`kernels.packed_gemm`): the weight packed once into
@@ -217,7 +218,8 @@ def _measure(weight_oi: torch.Tensor, layouts: tuple[str, ...]) -> tuple[str, tu
 def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding: bool = False,
          autotune: bool = True, packed_only: bool = False) -> Linear:
     """A :class:`Linear` for ``weight_oi`` (``[out, in]``). On CPU with ``autotune``, the layout and the form
-    per M bucket are measured (once per shape and dtype in this process). ``embedding``: the weight is also
+    per M bucket are measured (once per shape and dtype in this process, or read from this machine's plan file:
+    :mod:`kernels.plan_cache`). ``embedding``: the weight is also
     the embedding table (a tied LM head), read through :meth:`Linear.rows`, so only the layouts whose rows
     gather cheaply ("oi", "pk") are candidates. ``packed_only``: the packed kernel, unmeasured (a bfloat16
     weight under float32 activations, which only it multiplies). Elsewhere: ``[out, in]`` and ``F.linear``."""

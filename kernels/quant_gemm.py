@@ -261,7 +261,8 @@ def candidates(fmt: str, activations: str = "float", k: int | None = None) -> tu
 def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: bool = False,
          autotune: bool = True, activations: str = "blocks") -> QuantLinear:
     """A :class:`QuantLinear` for ``q``, its form per M bucket measured once per shape and format in this
-    process (``autotune=False``: the first form everywhere, for tests). ``embedding``: the weight is also the
+    process, or read from this machine's plan file (:mod:`kernels.plan_cache`) (``autotune=False``: the first
+    form everywhere, for tests). ``embedding``: the weight is also the
     embedding table (kept readable by :meth:`QuantLinear.rows`); ``activations``: which int8-activation forms
     are candidates (:func:`candidates`).
     """
