@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kernels.native import cpu_flags, cpu_model
+
 _KERNELS = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _active: PlanCache | None = None
@@ -66,22 +68,14 @@ def fingerprint() -> str:
     """What a plan depends on besides its shape and threads: the CPU, torch, and the kernels' sources."""
     import torch
 
-    from kernels.native import cpu_flags
-
     h = hashlib.sha256()
-    h.update(_cpu_model().encode())
+    h.update(cpu_model().encode())
     h.update(" ".join(sorted(cpu_flags().split())).encode())
     h.update(torch.__version__.encode())
     for path in sorted(p for p in _KERNELS.rglob("*") if p.suffix in (".py", ".c", ".h")):
         h.update(path.relative_to(_KERNELS).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:20]
-
-
-def _cpu_model() -> str:
-    from kernels.native import cpu_model
-
-    return cpu_model()
 
 
 def use(directory: Path | None) -> None:

@@ -84,7 +84,7 @@ def test_a_plan_the_file_cannot_vouch_for_is_measured_again(cache, monkeypatch):
 
 def test_another_cpu_gets_a_file_of_its_own(tmp_path, monkeypatch):
     here = plan_cache.PlanCache(tmp_path)
-    monkeypatch.setattr(plan_cache, "_cpu_model", lambda: "some other CPU")
+    monkeypatch.setattr(plan_cache, "cpu_model", lambda: "some other CPU")
     there = plan_cache.PlanCache(tmp_path)
     assert here.path != there.path
     here.put("cpu_gemm", ("k",), ["oi", ["xw"] * 4])
