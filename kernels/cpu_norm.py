@@ -1,7 +1,7 @@
 """Small CPU ops of the model's forward in one C call each: RMSNorm (``csrc/rms_norm.c``), RoPE
 (``csrc/rope.c``: interleaved pairs in float32, rotate-half in bfloat16) and SwiGLU (``csrc/activation.c``),
-on float32 or bfloat16 rows (float32 arithmetic, one rounding per bfloat16 result), one library built by
-:mod:`kernels.native`.
+on float32 or bfloat16 rows (float32 arithmetic, one rounding per bfloat16 result), and the sampler's row-wise
+argmax of float32 logits (``csrc/argmax.c``), one library built by :mod:`kernels.native`.
 
 Why: at decode sizes each of these is a chain of small torch ops (RMSNorm ~10-30 us a call, 61 calls in a step
 of a 30-layer model; RoPE and SwiGLU four or five ops a layer): together about 1.5 ms of a ~22 ms
@@ -18,7 +18,7 @@ import torch
 
 from kernels import native
 
-SOURCES = ("rms_norm.c", "rope.c", "activation.c")
+SOURCES = ("rms_norm.c", "rope.c", "activation.c", "argmax.c")
 LEVELS = {2: "avx512", 1: "avx2", 0: "scalar"}
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -38,6 +38,8 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     for name in ("rms_norm_f32", "rms_norm_bf16", "rope_interleaved_f32", "rope_half_bf16", "silu_mul_f32",
                  "silu_mul_bf16"):
         getattr(lib, name).restype = None
+    lib.argmax_rows_f32.argtypes = [_P, _I64, _I, _I, _P]
+    lib.argmax_rows_f32.restype = None
     lib.vector_width_level.restype = ctypes.c_int
     return lib
 
@@ -90,3 +92,13 @@ def silu_mul_(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Te
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
     fn(gate_up.data_ptr(), gate_up.stride(0), t, two_inter // 2)
     return gate_up[:, : two_inter // 2]
+
+
+def argmax_rows(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """int64 ``[R]``: each row's ``torch.argmax`` (the first of equal maxima; a row's first NaN where it has one)
+    of float32 ``x`` ``[R, V]`` (V >= 1, unit stride along the row)."""
+    lib = lib or load()
+    r, v = x.shape
+    out = torch.empty(r, dtype=torch.int64)
+    lib.argmax_rows_f32(x.data_ptr(), x.stride(0), r, v, out.data_ptr())
+    return out

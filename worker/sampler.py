@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import cpu_norm
 from scheduler.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -28,6 +29,16 @@ def _splitmix64(x: int) -> int:
 def seed_for(seed: int, index: int) -> int:
     """Generator seed for output token ``index`` of a request seeded with ``seed`` (63-bit)."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64)) & ((1 << 63) - 1)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``, in one C pass for float32 CPU rows where the library builds (kernels/csrc/argmax.c
+    says why: torch's is a scalar reduction, about 90 us of a vocabulary-wide row); the same indices."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and x.stride(-1) == 1:
+        lib = cpu_norm.load()
+        if lib is not None:
+            return cpu_norm.argmax_rows(x, lib)
+    return x.argmax(dim=-1)
 
 
 class Sampler:
@@ -53,10 +64,10 @@ class Sampler:
         if n == 0:
             return []
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return _argmax(logits).tolist()
         vocab = logits.shape[1]
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        out = logits.argmax(dim=-1)  # greedy rows keep this
+        out = _argmax(logits)  # greedy rows keep this
         sel = torch.tensor(rows, device=logits.device, dtype=torch.long) if len(rows) < n else None
         x = logits if sel is None else logits.index_select(0, sel)
         x = x.float()
@@ -65,7 +76,7 @@ class Sampler:
         x = x / temps[:, None]
         x = self._apply_top_k_top_p(x, ps)
         noise = self._noise(len(rows), vocab, ps, [output_indices[i] for i in rows], x.device)
-        picked = (x - noise.log()).argmax(dim=-1)
+        picked = _argmax(x - noise.log())
         if sel is None:
             out = picked
         else:

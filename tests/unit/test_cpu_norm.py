@@ -1,4 +1,4 @@
-"""The C RMSNorm, RoPE and SwiGLU of the CPU forward (kernels/cpu_norm.py; float32 and bfloat16) against torch references,
+"""The C RMSNorm, RoPE, SwiGLU and row argmax of the CPU forward (kernels/cpu_norm.py; float32 and bfloat16) against torch references,
 in every build this CPU can run: its own (AVX-512 or AVX2), the AVX2 one (``INFERQ_NO_AVX512``) and the portable
 loops (``INFERQ_NO_AVX2``); odd sizes reach the scalar tails, strided rows the row strides, many rows the
 OpenMP split."""
@@ -106,3 +106,33 @@ def test_silu_mul_bfloat16(lib, t, inter):
     got = cpu_norm.silu_mul_(gu, lib)
     assert got.data_ptr() == gu.data_ptr()
     _bf16_close(got, exact)
+
+
+@pytest.mark.parametrize("r, v", [(1, 49152), (3, 1000), (5, 17), (2, 7), (1, 1), (40, 96)])
+def test_argmax_rows_is_torch_argmax(lib, r, v):
+    """Random rows, then the cases a vector argmax gets wrong first: ties (the first index wins, across lanes and
+    in the tail), the maximum in the tail or at index 0, all -inf, +inf, NaN (torch: the first NaN), strided rows."""
+    g = torch.Generator().manual_seed(r * 100_000 + v)
+    x = torch.randn(r, v + 3, generator=g)[:, 1:v + 1]  # a row stride larger than v
+    assert torch.equal(cpu_norm.argmax_rows(x, lib), x.argmax(-1))
+    rows = []
+    base = torch.randn(v, generator=g)
+    for hot in ([0], [v - 1], [v // 2, v - 1], [3, v // 3], list(range(0, v, 5)), [v - 2, v - 1]):
+        row = base.clone()
+        for i in hot:
+            if 0 <= i < v:
+                row[i] = 9.0  # equal maxima: the first must win
+        rows.append(row)
+    rows.append(torch.full((v,), float("-inf")))
+    inf = base.clone()
+    inf[v // 2] = float("inf")
+    rows.append(inf)
+    for nan_at in (0, v // 2, v - 1):
+        row = base.clone()
+        row[min(v - 1, nan_at + 1)] = 50.0
+        row[nan_at] = float("nan")
+        rows.append(row)
+    cases = torch.stack(rows)
+    assert torch.equal(cpu_norm.argmax_rows(cases, lib), cases.argmax(-1))
+    for row in cases:  # one row at a time too (no OpenMP split)
+        assert int(cpu_norm.argmax_rows(row[None], lib)[0]) == int(row.argmax())
