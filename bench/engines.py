@@ -17,8 +17,7 @@ class InferqOffline:
                  max_num_seqs: int = 64, max_batched_tokens: int = 2048, threads: int | None = None,
                  block_size: int = 16, tokenizer: bool = True, **settings: Any) -> None:
         # started warm, as vLLM starts (it zeroes its KV cache and runs warm-up steps before serving): the KV
-        # pool's page faults are paid at start-up, not inside the first timed run
-        settings.setdefault("kv_cache_prefault", True)
+        # pool's page faults are paid at start-up (kv_cache_prefault, on by default), not inside a timed run
         from inferq.settings import Settings
         from worker.engine import LLMEngine
 
