@@ -184,16 +184,19 @@ async def job_events(aredis: Any, prefix: str, job_id: str, load_view: Callable[
 
 
 async def job_event_items(aredis: Any, prefix: str, job_id: str, load_view: Callable[[], dict[str, Any] | None],
-                          last_event_id: str | None = None) -> AsyncIterator[Item]:
+                          last_event_id: str | None = None, *, fresh: bool = False) -> AsyncIterator[Item]:
     """``job_events`` as ``(event, data, id)`` before SSE formatting: the OpenAI routes re-frame each event,
-    so they take it unformatted (no JSON written here only to be parsed back, per token)."""
+    so they take it unformatted (no JSON written here only to be parsed back, per token). ``fresh``: the caller
+    has just created the job (the OpenAI routes), so the PostgreSQL lookup made when Redis holds nothing of the
+    job is skipped: it can only find it queued, and it ran while the worker claimed the job, on the same cores
+    as that claim and the prefill; the periodic check below still covers a job that never gets an event."""
     key = events_key(prefix, job_id)
     last = resume_from(last_event_id)
     sent_delta = last != "0-0"
     attempts = AttemptFilter()
     next_db_check = time.monotonic() + DB_CHECK_SECONDS
     last_output = time.monotonic()
-    if not await aredis.exists(key):  # expired, or nothing published yet: PostgreSQL knows if it is over
+    if not fresh and not await aredis.exists(key):  # expired, or nothing published yet: PostgreSQL knows if it is over
         view = await run_in_threadpool(load_view)
         if view is None:
             return

@@ -124,7 +124,7 @@ class _Follow:
     async def events(self) -> AsyncIterator[tuple[str | None, dict[str, Any] | None]]:
         """``(event, data)``; ``(None, None)`` for a keep-alive; one ``error`` ends it on an outage."""
         items = job_event_items(self.state.async_redis(), self.state.settings.stream_prefix, self.job_id,
-                                self.load_view)
+                                self.load_view, fresh=True)  # created by this request
         try:
             async for event, data, _ in items:
                 yield event, data
