@@ -215,21 +215,10 @@ def projection_names(model) -> dict[int, str]:
 
 def decode_bytes(linear) -> int:
     """Bytes one decode-sized product of ``linear`` reads: a float weight's own (its packed copy is as large);
-    a quantised one's, those of the form its decode bucket runs (panels: codes and scales; torch's forms: the
-    codes and scales, or torch's int4 copy), not every copy it keeps."""
+    a quantised one's, those of the form its decode bucket runs (``QuantLinear.bucket_nbytes``)."""
     from kernels.quant_gemm import QuantLinear
 
-    if not isinstance(linear, QuantLinear):
-        return linear.weight.nbytes
-    form = linear.forms[0]
-    if form == "panels" and linear.panels is not None:
-        return linear.panels.nbytes
-    a8 = linear._a8(form)
-    if a8 is not None:
-        return a8.nbytes
-    if "packed" in linear._state and form == "w4":
-        return linear._state["packed"].nbytes + linear._state["sz"].nbytes
-    return linear.weight.nbytes
+    return linear.bucket_nbytes(0) if isinstance(linear, QuantLinear) else linear.weight.nbytes
 
 
 def weight_bytes(model) -> dict[str, int]:

@@ -136,6 +136,20 @@ class QuantLinear:
             n += self._state["packed"].numel() * self._state["packed"].element_size() + self._state["sz"].numel() * 2
         return n + (self.panels.nbytes if self.panels is not None else 0)
 
+    def bucket_nbytes(self, bucket: int = 0) -> int:
+        """Bytes one product of M bucket ``bucket`` reads (0: decode sizes): those of the form that bucket runs
+        (the panels' codes and scales, a block-32 W8A8 copy, torch's int4 copy, or the codes and scales), not
+        every copy kept (:attr:`nbytes`). What a bandwidth-bound decode step is judged by."""
+        form = self.forms[bucket]
+        if form == "panels" and self.panels is not None:
+            return self.panels.nbytes
+        a8 = self._a8(form)
+        if a8 is not None:
+            return a8.nbytes
+        if form == "w4" and "packed" in self._state:
+            return self._state["packed"].nbytes + self._state["sz"].nbytes
+        return self.weight.nbytes
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the de-quantised weight (float32): the embedding lookup of a tied head."""
         q = self.weight
