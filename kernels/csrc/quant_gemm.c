@@ -171,6 +171,12 @@ ALWAYS_INLINE void load_pair(const uint8_t* w, int64_t j, __m256* lo0, __m256* l
     *hi1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
 }
 
+/* The next panel's scales and offsets of group g (a panel has ng groups): two lines. */
+ALWAYS_INLINE void prefetch_group(const float* sz, int ng, int g) {
+    _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL), _MM_HINT_T0);
+    _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL) + 64, _MM_HINT_T0);
+}
+
 /* One MR x 16 tile (MR <= 4) of an int4 panel: per group, sum x_k q_k in NS accumulator sets (4 for one row,
    two pairs per step; 2 for two rows: low and high nibbles; 1 above, 16 ymm registers), then fold the group
    into the totals with its scales and offsets and the group sums of x (xg: row stride ng). */
@@ -184,10 +190,7 @@ ALWAYS_INLINE void block4(const int MR, const float* x, int64_t xs, const uint8_
     for (int g = 0; g < K / G; g++) {
         _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) c[s][r][0] = c[s][r][1] = _mm256_setzero_ps();
-        if (prefetch) { /* the next panel's scales and offsets of this group: two lines */
-            _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL), _MM_HINT_T0);
-            _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL) + 64, _MM_HINT_T0);
-        }
+        if (prefetch) prefetch_group(sz, ng, g);
         for (int j0 = g * GP; j0 < (g + 1) * GP; j0 += P) {
             _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                 const int j = j0 + p;
@@ -284,10 +287,7 @@ ALWAYS_INLINE void block4_512(const int MR, const float* x, int64_t xs, const ui
     for (int g = 0; g < K / G; g++) {
         _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) c[s][r] = _mm512_setzero_ps();
-        if (prefetch) {
-            _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL), _MM_HINT_T0);
-            _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL) + 64, _MM_HINT_T0);
-        }
+        if (prefetch) prefetch_group(sz, ng, g);
         for (int j0 = g * GP; j0 < (g + 1) * GP; j0 += P) {
             _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                 const int j = j0 + p;
