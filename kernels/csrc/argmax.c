@@ -85,15 +85,11 @@ static int64_t argmax_row(const float* x, int V) {
         return argmax_scalar(x, V, i, m, first);
     }
 #endif
-    return V > 0 ? argmax_scalar(x, V, 1, x[0], 0) : 0;
+    return argmax_scalar(x, V, 0, -INFINITY, 0); /* all -inf (or V = 0): index 0, as torch */
 }
 
-/* out[r] = argmax of row r (R rows of V floats, row stride rs); V >= 1. A NaN in a row's first value is answered
-   here, since the scalar scan starts from that value. */
+/* out[r] = argmax of row r (R rows of V floats, row stride rs). */
 void argmax_rows_f32(const float* x, int64_t rs, int R, int V, int64_t* out) {
 #pragma omp parallel for schedule(static) if (R > 1)
-    for (int r = 0; r < R; r++) {
-        const float* row = x + (int64_t)r * rs;
-        out[r] = isnan(row[0]) ? 0 : argmax_row(row, V);
-    }
+    for (int r = 0; r < R; r++) out[r] = argmax_row(x + (int64_t)r * rs, V);
 }
