@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--e2e-requests", type=int, default=64)
     ap.add_argument("--e2e-prompt", type=int, default=512)
     ap.add_argument("--e2e-output", type=int, default=128)
+    ap.add_argument("--e2e-model", default=None,
+                    help="model for the engine run (a name or a local HF directory; default: the settings' model)")
     ap.add_argument("--out", default=str(RESULTS), help="results JSON path")
     args = ap.parse_args(argv)
     if args.quick:
@@ -356,60 +358,38 @@ class Bench:
         return row
 
     def e2e(self) -> None:
-        """Engine run on the GPU with the Triton backend and with the torch backend (optional)."""
+        """The engine on the GPU with the Triton and with the torch attention backend: a warm-up request first
+        (Triton compiles, cuBLAS picks its kernels), then the batch timed as a whole, and the median decode step
+        at one sequence and at the full batch (a step's wall time, synchronised: launch overhead shows here)."""
         args = self.args
         try:
             from inferq.settings import load_settings
-            from scheduler.request import Request, SamplingParams
             from worker.engine import LLMEngine
-            from worker.loader import resolve_model
-            from worker.model_runner import ModelRunner
         except Exception as exc:  # noqa: BLE001
             self.results["e2e"] = {"skipped": f"worker.engine not importable: {exc}"}
             print(f"e2e: skipped (worker.engine not importable: {exc})")
             return
-        import random
-
         res: dict = {"requests": args.e2e_requests, "prompt_tokens": args.e2e_prompt,
-                     "output_tokens": args.e2e_output}
+                     "output_tokens": args.e2e_output, "model": args.e2e_model or "default"}
         outputs: dict[str, dict[str, list[int]]] = {}
         for backend in ("triton", "torch"):
             try:
-                settings = load_settings(device=self.dev.type, dtype=args.dtype, max_num_seqs=max(64, args.e2e_requests),
-                                         max_batched_tokens=4096, kv_cache_memory="8GiB")
-                model_dir = resolve_model(settings.model, settings)
-                runner = ModelRunner(
-                    model_dir, dtype=settings.dtype, device=self.dev.type, kv_cache_bytes=settings.kv_cache_bytes,
-                    block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
-                    max_batched_tokens=settings.max_batched_tokens, attention_backend=backend,
-                    max_model_len=settings.max_model_len,
-                )
-                from transformers import AutoTokenizer
-
-                engine = LLMEngine(settings, runner=runner, tokenizer=AutoTokenizer.from_pretrained(model_dir))
-                rng = random.Random(0)
-                vocab = min(int(runner.info.vocab_size), 32000)
-                reqs = [
-                    Request(request_id=f"r{i}", prompt_token_ids=[rng.randrange(100, vocab)
-                                                                  for _ in range(args.e2e_prompt)],
-                            sampling=SamplingParams(max_tokens=args.e2e_output, temperature=0.0, ignore_eos=True))
-                    for i in range(args.e2e_requests)
-                ]
-                self.torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for r in reqs:
-                    engine.add_request(r)
-                engine.run_until_done()
-                self.torch.cuda.synchronize()
-                wall = time.perf_counter() - t0
-                gen = sum(len(r.output_token_ids) for r in reqs)
-                outputs[backend] = {r.request_id: list(r.output_token_ids) for r in reqs}
-                res[backend] = {"wall_s": wall, "generated_tokens": gen, "output_tok_s": gen / wall,
-                                "total_tok_s": (gen + args.e2e_prompt * len(reqs)) / wall,
-                                "steps": engine.stats.steps}
-                print(f"e2e {backend:6s}: {len(reqs)} requests x ({args.e2e_prompt} prompt + {args.e2e_output} "
-                      f"output): {wall:.2f} s, {gen / wall:,.0f} output tok/s")
-                del engine, runner
+                opts = dict(model=args.e2e_model) if args.e2e_model else {}
+                settings = load_settings(device=self.dev.type, dtype=args.dtype, attention_backend=backend,
+                                         max_num_seqs=max(64, args.e2e_requests), max_batched_tokens=4096,
+                                         kv_cache_memory="8GiB", **opts)
+                engine = LLMEngine(settings)
+                self._e2e_run(engine, self._e2e_requests(engine, 2, 8, "warm"))
+                row, outputs[backend] = self._e2e_run(engine, self._e2e_requests(engine, args.e2e_requests,
+                                                                                  args.e2e_output, "r"))
+                one, _ = self._e2e_run(engine, self._e2e_requests(engine, 1, args.e2e_output, "one"))
+                row["decode_step_ms_batch1"] = one["decode_step_ms"]
+                res[backend] = row
+                print(f"e2e {backend:6s}: {args.e2e_requests} requests x ({args.e2e_prompt} prompt + "
+                      f"{args.e2e_output} output): {row['wall_s']:.2f} s, {row['output_tok_s']:,.0f} output tok/s; "
+                      f"decode step {row['decode_step_ms']:.2f} ms at {args.e2e_requests} sequences, "
+                      f"{one['decode_step_ms']:.2f} ms at one")
+                del engine
                 self.torch.cuda.empty_cache()
             except Exception as exc:  # noqa: BLE001 - optional section
                 res[backend] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -421,6 +401,43 @@ class Bench:
             print(f"e2e greedy outputs identical (triton vs torch attention): {same}/{len(a)} requests "
                   f"(bf16 rounding differences may legitimately flip a few)")
         self.results["e2e"] = res
+
+    def _e2e_requests(self, engine, n: int, max_tokens: int, tag: str) -> list:
+        import random
+
+        from scheduler.request import Request, SamplingParams
+
+        rng = random.Random(tag)
+        vocab = int(engine.runner.info.vocab_size)
+        low = min(100, vocab // 2)
+        return [Request(request_id=f"{tag}{i}",
+                        prompt_token_ids=[rng.randrange(low, vocab) for _ in range(self.args.e2e_prompt)],
+                        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                for i in range(n)]
+
+    def _e2e_run(self, engine, reqs: list) -> tuple[dict, dict[str, list[int]]]:
+        """Run ``reqs`` to the end step by step: wall time, output tok/s and the median step once every
+        request decodes (the steps after the last prefill)."""
+        sync = self.torch.cuda.synchronize
+        for r in reqs:
+            engine.add_request(r)
+        steps: list[tuple[float, int]] = []  # (seconds, prompt tokens still to prefill before the step)
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            pending = sum(r.num_prompt_tokens - r.num_computed_tokens for r in reqs
+                          if r.num_computed_tokens < r.num_prompt_tokens)
+            s0 = time.perf_counter()
+            engine.step()
+            sync()
+            steps.append((time.perf_counter() - s0, pending))
+        wall = time.perf_counter() - t0
+        decode = sorted(t for t, pending in steps if pending == 0)
+        gen = sum(len(r.output_token_ids) for r in reqs)
+        row = {"wall_s": wall, "generated_tokens": gen, "output_tok_s": gen / wall,
+               "total_tok_s": (gen + self.args.e2e_prompt * len(reqs)) / wall, "steps": len(steps),
+               "decode_step_ms": 1e3 * decode[len(decode) // 2] if decode else float("nan")}
+        return row, {r.request_id: list(r.output_token_ids) for r in reqs}
 
 
 def main(argv=None) -> int:
