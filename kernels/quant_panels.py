@@ -80,6 +80,9 @@ class Panels:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the de-quantised int8 weight (float32), bit for bit ``QuantizedWeight``'s."""
         assert self.fmt == "int8", "int4 rows are read from the codes (QuantLinear keeps them when asked)"
+        if ids.numel() == 1:  # a decode step's token: a view, not the gather's five ops (the same products)
+            i = int(ids.reshape(()))
+            return (self.codes[i // PANEL, :, i % PANEL].float() * self.scales[i]).unsqueeze(0)
         return self.codes[ids // PANEL, :, ids % PANEL].float() * self.scales[ids][:, None]
 
 

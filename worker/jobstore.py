@@ -136,7 +136,13 @@ class JobStore:
     # --- claims, heartbeats, first tokens ----------------------------------------------------------------
 
     def claim(self, batch: list[Message], now_unix: float) -> Claims:
-        """Claim the jobs of ``batch`` in one transaction (messages past their deadline expire instead)."""
+        """Claim the jobs of ``batch`` in one transaction (messages past their deadline expire instead). On
+        PostgreSQL a batch with none past its deadline is one round trip (``jobs.claim_many_postgres``)."""
+        expiring = any(m.job is not None and m.job.deadline is not None and m.job.deadline <= now_unix
+                       for m in batch)
+        if self.db_engine.dialect.name == "postgresql" and not expiring:
+            return self.call(self._claim_postgres, batch)
+
         def claim_all() -> Claims:
             found = Claims()
             with self.sf() as s:
@@ -160,6 +166,21 @@ class JobStore:
             return found
 
         return self.call(claim_all)
+
+    def _claim_postgres(self, batch: list[Message]) -> Claims:
+        taken, others = jobs.claim_many_postgres(self.db_engine, [m.job.job_id for m in batch], self.name,
+                                                 self.claim_stale_seconds)
+        found = Claims()
+        for m in batch:
+            job_id = m.job.job_id
+            if job_id in taken:  # a job twice in one batch: its second message finds it running, as busy
+                found.started.append((m, *taken.pop(job_id)))
+                others[job_id] = "running"
+            elif others.get(job_id) in ("running", "queued"):
+                found.busy.append(m)
+            else:
+                found.gone.append(m)
+        return found
 
     def heartbeat(self, job_ids: list[str]) -> dict[str, tuple[int, bool]]:
         """Refresh the jobs' heartbeats; {job_id: (attempt, cancel_requested)} of those this worker still owns."""

@@ -6,7 +6,8 @@ the modules below, one concern each.
 * ``submission``: ``submit`` / ``submit_many`` (row committed first, then enqueued); on PostgreSQL through
   ``pg_admission`` (one job) and ``pg_group`` (a tenant's group), on psycopg connections from ``connections``.
 * ``quotas``: the token estimates, limits, exact checks and per-process bounds; ``prices``: the price version.
-* ``lifecycle``: transitions, claim, heartbeat, finish, cancel (guarded conditional UPDATEs).
+* ``lifecycle``: transitions, claim, heartbeat, finish, cancel (guarded conditional UPDATEs); ``pg_claim``: a
+  worker's claim of a batch on PostgreSQL in one round trip.
 * ``events``: a job's event stream; ``enqueue``: stream messages; ``reconcile``: queue repair.
 * ``errors``: ``Conflict`` (409) and ``QuotaExceeded`` (429).
 """
@@ -48,6 +49,7 @@ from inferq.jobs.lifecycle import (
     transition,
     worker_key,
 )
+from inferq.jobs.pg_claim import claim_many_postgres
 from inferq.jobs.prices import current_price
 from inferq.jobs.quotas import LEDGER_LAG_SECONDS, QUOTA_RECOUNT_SECONDS, estimate_tokens
 from inferq.jobs.reconcile import ReconcileReport, reconcile, reconcile_lock_key
@@ -56,7 +58,7 @@ from inferq.jobs.submission import submit, submit_many
 __all__ = [
     "EVENT_DELTA", "EVENT_DONE", "EVENT_RESET", "LEDGER_LAG_SECONDS", "QUOTA_RECOUNT_SECONDS", "STATUS_FOR_FINISH",
     "AttemptFilter", "Conflict", "JobError", "Outcome", "QuotaExceeded", "ReconcileReport", "Unenqueueable",
-    "cancel", "claim", "current_price", "delta_event", "done_event", "enqueue", "enqueue_many", "enqueued_key",
+    "cancel", "claim", "claim_many_postgres", "current_price", "delta_event", "done_event", "enqueue", "enqueue_many", "enqueued_key",
     "queue_counts", "queued_entries", "tier_streams",
     "estimate_tokens", "final_text", "finish", "heartbeat", "owned_by", "owner_of", "publish_events", "publish_reset", "reconcile",
     "reconcile_lock_key", "record_first_tokens", "reset_event", "stale_after_seconds", "status_of", "submit", "submit_many",

@@ -160,6 +160,8 @@ def test_quant_linear_panels_form(fmt):
     if fmt == "int8":  # a tied table's rows come from the panels, bit for bit
         ids = torch.tensor([0, 69, 3, 3])
         assert torch.equal(lin.rows(ids), q.dequantize()[ids])
+        for one in (torch.tensor([69]), torch.tensor([17])):  # a decode step's one token (its own path)
+            assert lin.rows(one).shape == (1, 128) and torch.equal(lin.rows(one), q.dequantize()[one])
     assert quant_gemm.QuantLinear(q, None, ("w8a16" if fmt == "int8" else "w4",) * 4).panels is None
 
 
