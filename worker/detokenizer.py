@@ -15,10 +15,27 @@ streamed deltas must be a prefix of the stored result text.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _CONTEXT = 5  # prompt tokens used as left context (leading-space handling of the first output token)
+
+
+def backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """The ``tokenizers`` library's own decode, where the Hugging Face tokenizer's ``decode`` (with the clean-up
+    off) is exactly a call of it: a fast tokenizer whose class overrides neither ``decode`` nor ``_decode``. The
+    wrapper's argument conversions cost more than the decode of a few tokens, and a step decodes twice per
+    request. None for any other tokenizer (it keeps its own ``decode``)."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # pragma: no cover - an older transformers: the wrapper it is
+        return None
+    cls, backend = type(tokenizer), getattr(tokenizer, "_tokenizer", None)
+    if not (isinstance(tokenizer, TokenizersBackend) and isinstance(backend, Tokenizer)
+            and cls.decode is TokenizersBackend.decode and cls._decode is TokenizersBackend._decode):
+        return None
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -34,8 +51,11 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text decoded so far (truncated at a stop string)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped: str | None = None  # the stop string that ended the text
+        self._fast_decode = backend_decode(tokenizer, skip_special_tokens)
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

@@ -81,3 +81,34 @@ def test_nul_becomes_replacement_character_in_deltas_and_text(tok):
     deltas, d = stream(tok, "a\x00b")
     assert tok.decode(tok.encode("a\x00b", add_special_tokens=False)) == "a\x00b"  # the model can emit it
     assert "".join(deltas) == d.text == "a\ufffdb"
+
+
+class _OwnDecode:
+    """A tokenizer of another kind: only its ``decode`` (the detokenizer must call it, not a backend)."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.calls = tok, 0
+
+    def decode(self, ids, **kw):
+        self.calls += 1
+        return self.tok.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_backend_decode_is_the_wrappers(tok, skip):
+    """A fast tokenizer is decoded by the tokenizers library directly (worker/detokenizer.py's backend_decode),
+    exactly as its Hugging Face decode does; any other tokenizer keeps its own decode."""
+    from worker.detokenizer import backend_decode
+
+    fast = backend_decode(tok, skip)
+    assert fast is not None
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    for text in ["naïve café – 😀 ok 日本語", " leading space", "a\nb\n\n c"]:
+        ids = tok.encode(text, add_special_tokens=False) + [eos]
+        for cut in range(len(ids) + 1):  # every prefix: partial characters, the special token or not
+            assert fast(ids[:cut]) == tok.decode(ids[:cut], skip_special_tokens=skip,
+                                                 clean_up_tokenization_spaces=False)
+    other = _OwnDecode(tok)
+    assert backend_decode(other, skip) is None
+    d = IncrementalDetokenizer(other, [], ())
+    assert d.step(tok.encode("Hi", add_special_tokens=False)) + d.flush() == "Hi" and other.calls > 0
