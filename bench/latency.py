@@ -62,11 +62,21 @@ VARIANTS = {"float32": ({"dtype": "float32"}, "float32"), "bfloat16": ({"dtype":
 
 # --- bandwidth ---------------------------------------------------------------------------------------------
 
-def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
-    """Best streaming read rate in GB/s: ``torch.sum`` over a ``mib`` MiB float32 buffer, all torch threads."""
+def read_buffer(nbytes: int):
+    """A float32 buffer of ``nbytes`` for ``torch.sum`` to read, in huge pages as the weights are
+    (kernels/hugepages.py), every page written. With 4 KiB pages torch.sum reads slower than memory the weights'
+    way (TLB misses), and a share judged against the slower reads would flatter the kernels."""
     import torch
 
-    buf = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB of float32
+    from kernels import hugepages
+
+    return hugepages.zeros((nbytes // 4,), torch.float32).fill_(1.0)
+
+
+def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
+    """Best streaming read rate in GB/s: ``torch.sum`` over a ``mib`` MiB float32 buffer in huge pages, all torch
+    threads."""
+    buf = read_buffer(mib << 20)
     buf.sum()  # first touch and warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -112,7 +122,6 @@ def weight_streaming(model, repeats: int = 5) -> dict | None:
     ``INFERQ_NO_SPLIT_K`` option (its before), against ``torch.sum`` over a buffer of the same bytes, the three
     alternated ``repeats`` times so the machine's drifting bandwidth hits each alike; best and median GB/s.
     None where the packed kernel does not run here (no AVX2 + FMA or no compiler)."""
-    import torch
 
     from kernels import packed_gemm
 
@@ -124,7 +133,7 @@ def weight_streaming(model, repeats: int = 5) -> dict | None:
     runs = {name: _packed_calls(model, lib) for name, lib in builds.items()}
     nbytes = sum(getattr(layer, kind).weight.nbytes for layer in model.layers for kind in PROJECTIONS)
     nbytes += model.lm_head.weight.nbytes
-    buf = torch.ones(nbytes // 4)
+    buf = read_buffer(nbytes)
     times: dict[str, list[float]] = defaultdict(list)
     for rep in range(repeats + 1):  # the first pass warms up
         t0 = time.perf_counter()
@@ -244,8 +253,6 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     machine's bandwidth drifts by a third within minutes, so the share is judged against reads made alongside."""
     import random
 
-    import torch
-
     from scheduler.request import Request, SamplingParams
 
     rng = random.Random(seed)
@@ -261,7 +268,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     for _ in range(4):
         engine.step()  # warm decode steps
     phased = _time_phases(model) if fused else None
-    reads = torch.ones(sum(weight_bytes(model).values()) // 4)
+    reads = read_buffer(sum(weight_bytes(model).values()))
     reads.sum()  # first touch
     read_s: list[float] = []
     every = max(1, min(READ_EVERY, steps // 4))
