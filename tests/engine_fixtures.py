@@ -1,11 +1,14 @@
 """Test doubles for the engine: a fake model runner whose next token is a function of the context it
-reads back *through the paged KV cache*, so wrong block tables or bad prefix-cache hits change outputs."""
+reads back *through the paged KV cache*, so wrong block tables or bad prefix-cache hits change outputs. Also
+the workloads the real-model engine tests share (on CPU and on CUDA)."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+from typing import Any
 
-from scheduler.request import Request
+from scheduler.request import Request, SamplingParams
 
 
 @dataclass
@@ -61,3 +64,32 @@ def reference(prompt: list[int], max_tokens: int, vocab: int = 97, eos: tuple[in
         if t in eos:
             break
     return out
+
+
+def run_all(engine: Any, reqs: list[Request]) -> dict[str, Any]:
+    """Add ``reqs`` and step the engine until they are done: their outputs by request id."""
+    for r in reqs:
+        engine.add_request(r)
+    return {o.request_id: o for o in engine.run_until_done()}
+
+
+def greedy_workload(seed: int = 1, n: int = 22) -> tuple[list[list[int]], list[int]]:
+    """Prompts (a third share a 20-token system prompt, lengths 1-70) and their max_tokens, for greedy runs
+    compared with Hugging Face ``generate``."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 300) for _ in range(20)]
+    prompts = []
+    for i in range(n):
+        tail = [rng.randrange(3, 300) for _ in range(rng.choice([1, 3, 8, 15, 33, 50]))]
+        prompts.append(system + tail if i % 3 == 0 else tail)
+    return prompts, [4 + (i * 5) % 13 for i in range(n)]
+
+
+def seeded_requests(seed: int = 2, n: int = 10) -> list[Request]:
+    """Sampled requests with seeds of their own (temperature, top-p, top-k): their tokens must not depend on
+    how they are batched."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+    return [Request(f"s{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=100 + i,
+                                               ignore_eos=True))
+            for i, p in enumerate(prompts)]

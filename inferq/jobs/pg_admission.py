@@ -9,11 +9,13 @@ exact count. Also the per-engine registry of bounds and connections, and what ``
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +125,27 @@ def as_sqlalchemy_error(exc: Exception) -> sa_exc.StatementError:
     return sa_exc.DBAPIError.instance(None, None, exc, psycopg.Error)
 
 
+@contextlib.contextmanager
+def pooled_connection(engine: Any) -> Iterator[Any]:
+    """One of ``engine``'s admission connections (a psycopg connection, no transaction open), given back after.
+    On an error inside, its transaction is rolled back, and a psycopg error comes out as SQLAlchemy's."""
+    import psycopg
+
+    _, connections = admission_for(engine)
+    pooled = connections.get()
+    conn: Any = pooled.driver_connection
+    try:
+        yield conn
+    except psycopg.Error as exc:
+        rollback_quietly(conn)
+        raise as_sqlalchemy_error(exc) from exc
+    except BaseException:
+        rollback_quietly(conn)
+        raise
+    finally:
+        connections.put(pooled)
+
+
 def rollback_quietly(conn: Any) -> None:
     try:
         conn.rollback()
@@ -202,24 +225,15 @@ def submit_postgres(engine: Any, session_factory: sessionmaker, settings: Settin
     """``submit``'s database part on PostgreSQL: ``(job, created)``; raises ``Conflict`` or ``QuotaExceeded``."""
     import psycopg
 
-    adm, connections = admission_for(engine)
+    adm, _ = admission_for(engine)
     sub = _prepare(settings, tenant, body, idempotency_key, model, fingerprint, request, prompt_tokens)
-    pooled = connections.get()
-    conn: Any = pooled.driver_connection
-    try:
-        admitted = _admit(conn, adm, session_factory, settings, sub)
-    except psycopg.errors.UniqueViolation as exc:
-        # the same idempotency key won a race (only possible without the lock); report the winner's job
-        rollback_quietly(conn)
-        return _race_winner(session_factory, sub, exc)
-    except psycopg.Error as exc:
-        rollback_quietly(conn)
-        raise as_sqlalchemy_error(exc) from exc
-    except BaseException:
-        rollback_quietly(conn)
-        raise
-    finally:
-        connections.put(pooled)
+    with pooled_connection(engine) as conn:
+        try:
+            admitted = _admit(conn, adm, session_factory, settings, sub)
+        except psycopg.errors.UniqueViolation as exc:
+            # the same idempotency key won a race (only possible without the lock); report the winner's job
+            rollback_quietly(conn)
+            return _race_winner(session_factory, sub, exc)
     if isinstance(admitted, Job):
         return admitted, True
     with session_factory() as session:

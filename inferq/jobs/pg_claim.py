@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inferq.db import utcnow
-from inferq.jobs.pg_admission import admission_for, as_sqlalchemy_error, rollback_quietly
+from inferq.jobs.pg_admission import pooled_connection
 
 # The CTE's UPDATE and the outer SELECT read the same snapshot: the SELECT sees the status a job had before
 # this claim, which is what a job left unclaimed still has.
@@ -40,27 +40,14 @@ def claim_many_postgres(engine: Any, job_ids: Sequence[str], worker: str,
     """Claim ``job_ids`` for ``worker``, committed: ``({job_id: (attempt, cancel_requested)} of the jobs taken,
     {job_id: status} of the others that exist)``. A job in neither is not there. Database errors come out as
     SQLAlchemy's (an unreachable server as ``OperationalError``)."""
-    import psycopg
-
     now = utcnow()
     params = {"ids": list(dict.fromkeys(job_ids)), "worker": worker, "now": now,
               "cutoff": now - dt.timedelta(seconds=stale_seconds)}
-    _, connections = admission_for(engine)
-    pooled = connections.get()
-    conn: Any = pooled.driver_connection
-    try:
+    with pooled_connection(engine) as conn:
         with conn.pipeline():  # the statement and its commit in one round trip
             cur = conn.execute(_PG_CLAIM, params)
             conn.commit()
         rows = cur.fetchall()
-    except psycopg.Error as exc:
-        rollback_quietly(conn)
-        raise as_sqlalchemy_error(exc) from exc
-    except BaseException:
-        rollback_quietly(conn)
-        raise
-    finally:
-        connections.put(pooled)
     taken = {job_id: (int(attempt), bool(cancel)) for job_id, _, attempt, cancel in rows if attempt is not None}
     others = {job_id: status for job_id, status, attempt, _ in rows if attempt is None}
     return taken, others

@@ -16,7 +16,7 @@ import pytest
 
 from inferq.settings import Settings
 from scheduler.request import FinishReason, Request, SamplingParams, Tier
-from tests.engine_fixtures import FakeRunner, reference
+from tests.engine_fixtures import FakeRunner, greedy_workload, reference, run_all, seeded_requests
 from worker.engine import LLMEngine
 
 
@@ -35,12 +35,6 @@ def mixed_prompts(n=24, seed=0, vocab=97, shared=12):
         tail = [rng.randrange(vocab) for _ in range(rng.choice([1, 2, 5, 9, 17, 30]))]
         prompts.append(system + tail if i % 2 else tail)
     return prompts
-
-
-def run_all(engine: LLMEngine, reqs: list[Request]) -> dict[str, object]:
-    for r in reqs:
-        engine.add_request(r)
-    return {o.request_id: o for o in engine.run_until_done()}
 
 
 SCENARIOS = {
@@ -225,13 +219,7 @@ REAL_SCENARIOS = {
 @pytest.mark.parametrize("attention", ["cpu", "torch"])  # the C kernels, and the portable torch path
 @pytest.mark.parametrize("scenario", list(REAL_SCENARIOS))
 def test_greedy_matches_hf_generate(tiny_model, scenario, attention):
-    rng = random.Random(1)
-    system = [rng.randrange(3, 300) for _ in range(20)]
-    prompts = []
-    for i in range(22):
-        tail = [rng.randrange(3, 300) for _ in range(rng.choice([1, 3, 8, 15, 33, 50]))]
-        prompts.append(system + tail if i % 3 == 0 else tail)
-    max_tokens = [4 + (i * 5) % 13 for i in range(len(prompts))]
+    prompts, max_tokens = greedy_workload()
     expected = hf_greedy(tiny_model, prompts, max_tokens)
 
     engine = real_engine(tiny_model, attention_backend=attention, **REAL_SCENARIOS[scenario])
@@ -252,15 +240,9 @@ def test_greedy_matches_hf_generate(tiny_model, scenario, attention):
 
 @pytest.mark.integration
 def test_seeded_sampling_reproducible_across_batches(tiny_model):
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
-
     def sample(**opts):
         engine = real_engine(tiny_model, **opts)
-        reqs = [Request(f"s{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=100 + i,
-                                                   ignore_eos=True))
-                for i, p in enumerate(prompts)]
-        return {k: o.token_ids for k, o in run_all(engine, reqs).items()}, engine.stats
+        return {k: o.token_ids for k, o in run_all(engine, seeded_requests()).items()}, engine.stats
 
     together, _ = sample()
     alone, _ = sample(max_num_seqs=1)

@@ -7,13 +7,12 @@ batched. Skipped where there is no CUDA device (CI has none); run on a lent GPU 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from inferq.settings import Settings
 from scheduler.request import Request, SamplingParams, Tier
+from tests.engine_fixtures import greedy_workload, run_all, seeded_requests
 from worker.engine import LLMEngine
 
 pytestmark = [
@@ -57,22 +56,6 @@ def cuda_engine(model_dir, **opts) -> LLMEngine:
     return LLMEngine(Settings(**{**base, **opts}))
 
 
-def run_all(engine: LLMEngine, reqs: list[Request]) -> dict[str, object]:
-    for r in reqs:
-        engine.add_request(r)
-    return {o.request_id: o for o in engine.run_until_done()}
-
-
-def mixed_prompts(seed: int, n: int = 22) -> list[list[int]]:
-    rng = random.Random(seed)
-    system = [rng.randrange(3, 300) for _ in range(20)]
-    prompts = []
-    for i in range(n):
-        tail = [rng.randrange(3, 300) for _ in range(rng.choice([1, 3, 8, 15, 33, 50]))]
-        prompts.append(system + tail if i % 3 == 0 else tail)
-    return prompts
-
-
 SCENARIOS = {
     "batched": dict(),
     "tiny_budget": dict(max_batched_tokens=7),
@@ -83,8 +66,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("attention", ["triton", "torch"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_on_cuda_matches_hf_generate(tiny_model, scenario, attention):
-    prompts = mixed_prompts(seed=1)
-    max_tokens = [4 + (i * 5) % 13 for i in range(len(prompts))]
+    prompts, max_tokens = greedy_workload()
     expected = hf_greedy_cuda(tiny_model, prompts, max_tokens)
 
     engine = cuda_engine(tiny_model, attention_backend=attention, **SCENARIOS[scenario])
@@ -103,15 +85,8 @@ def test_greedy_on_cuda_matches_hf_generate(tiny_model, scenario, attention):
 
 
 def test_seeded_sampling_on_cuda_is_batch_invariant(tiny_model):
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
-
     def sample(**opts):
-        engine = cuda_engine(tiny_model, **opts)
-        reqs = [Request(f"s{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=100 + i,
-                                                   ignore_eos=True))
-                for i, p in enumerate(prompts)]
-        return {k: o.token_ids for k, o in run_all(engine, reqs).items()}
+        return {k: o.token_ids for k, o in run_all(cuda_engine(tiny_model, **opts), seeded_requests()).items()}
 
     together, alone = sample(), sample(max_num_seqs=1)
     assert together == alone
