@@ -3,6 +3,7 @@ repeats), on the default model's shapes. Run under the heavy-job lock:
 
     python -m bench.cpu_kernels gemm      # packed GEMM (this CPU's path, and AVX2 where AVX-512 is built) vs F.linear
     python -m bench.cpu_kernels decode    # decode attention, AVX-512 item vs AVX2 item, float32 and bfloat16 caches
+    python -m bench.cpu_kernels decode-long  # decode attention's read rate at long contexts, 1 sequence vs 8
     python -m bench.cpu_kernels prefill   # causal prefill kernel vs per-sequence SDPA
 
 The shapes are SmolLM2-135M's (hidden 576, MLP 1536, 9 query / 3 kv heads of 64, vocab 49152, 30 layers);
@@ -93,6 +94,35 @@ def decode(seqs: int = 64, repeats: int = 8) -> None:
         del pools
 
 
+def decode_long(contexts: tuple[int, ...] = (1000, 4000), batches: tuple[int, ...] = (1, 8), repeats: int = 5) -> None:
+    """Decode attention's KV read rate (GB/s, best of ``repeats`` over 30 layers' float32 pools) for sequences of
+    ``contexts`` cached positions, alone and ``batches`` at a time. Few sequences are shared out one kv head per
+    item (each thread reads one head's slice of every row); many, one whole sequence per item (whole rows)."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    for ctx in contexts:
+        for seqs in batches:
+            nb = (ctx + bs - 1) // bs
+            pools = [(hugepages.zeros((nb * seqs + 1, bs, hkv, d), torch.float32, prefault=True),
+                      hugepages.zeros((nb * seqs + 1, bs, hkv, d), torch.float32, prefault=True))
+                     for _ in range(LAYERS)]
+            for kc, vc in pools:
+                kc.normal_()
+                vc.normal_()
+            tables = torch.arange(nb * seqs, dtype=torch.int32).view(seqs, nb)
+            lens = torch.full((seqs,), ctx, dtype=torch.int32)
+            q = torch.randn(seqs, hq, d)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for kc, vc in pools:
+                    cpu_attention.decode_attention(q, kc, vc, tables, lens, ctx, d ** -0.5)
+                best = min(best, time.perf_counter() - t0)
+            kv_bytes = seqs * ctx * hkv * d * 4 * 2 * LAYERS
+            print(f"decode, {seqs} x {ctx} positions, float32 cache: {best * 1e3 / seqs:.2f} ms per sequence per "
+                  f"step ({kv_bytes / best / 1e9:.1f} GB/s)", flush=True)
+            del pools
+
+
 def prefill(repeats: int = 6) -> None:
     """One layer's causal prefill attention of a step's chunks: the kernel vs per-sequence SDPA."""
     for lens in ([512] * 4, [300, 400, 450, 500], [64] * 8):
@@ -139,13 +169,13 @@ def _prefill_case(lens: list[int], repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["gemm", "decode", "prefill"])
+    parser.add_argument("what", choices=["gemm", "decode", "decode-long", "prefill"])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 16, 64, 256, 1024, 2048], help="gemm: rows")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if packed_gemm._load() is None or cpu_attention.load() is None:
         raise SystemExit("the C kernels are not available here (no AVX2+FMA CPU or no C compiler)")
-    {"gemm": lambda: gemm(args.m), "decode": decode, "prefill": prefill}[args.what]()
+    {"gemm": lambda: gemm(args.m), "decode": decode, "decode-long": decode_long, "prefill": prefill}[args.what]()
 
 
 if __name__ == "__main__":
