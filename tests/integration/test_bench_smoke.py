@@ -316,8 +316,10 @@ def test_kernel_microbenchmarks_smoke(capsys):
     assert cpu_attention.has_simd(), "the attention kernel's AVX2 path failed to build"
     cpu_kernels.gemm([3], repeats=1)
     cpu_kernels._prefill_case([20, 9], repeats=1)  # also checks the kernel against SDPA
+    cpu_kernels.decode_long(contexts=(40,), batches=(1, 2), repeats=1)
     out = capsys.readouterr().out
     assert "M=    3" in out and "packed" in out and "prefill chunks [20, 9]" in out
+    assert "decode, 1 x 40 positions" in out and "decode, 2 x 40 positions" in out
 
 
 def test_routing_smoke(tiny, tmp_path):
