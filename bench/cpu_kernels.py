@@ -3,7 +3,7 @@ repeats), on the default model's shapes. Run under the heavy-job lock:
 
     python -m bench.cpu_kernels gemm      # packed GEMM (this CPU's path, and AVX2 where AVX-512 is built) vs F.linear
     python -m bench.cpu_kernels decode    # decode attention, AVX-512 item vs AVX2 item, float32 and bfloat16 caches
-    python -m bench.cpu_kernels decode-long  # decode attention's read rate at long contexts, 1 sequence vs 8
+    python -m bench.cpu_kernels decode-long  # decode attention at long contexts, split over the threads or not
     python -m bench.cpu_kernels prefill   # causal prefill kernel vs per-sequence SDPA
 
 The shapes are SmolLM2-135M's (hidden 576, MLP 1536, 9 query / 3 kv heads of 64, vocab 49152, 30 layers);
@@ -94,10 +94,12 @@ def decode(seqs: int = 64, repeats: int = 8) -> None:
         del pools
 
 
-def decode_long(contexts: tuple[int, ...] = (1000, 4000), batches: tuple[int, ...] = (1, 8), repeats: int = 5) -> None:
+def decode_long(contexts: tuple[int, ...] = (500, 1000, 4000), batches: tuple[int, ...] = (1, 2, 8),
+                repeats: int = 5) -> None:
     """Decode attention's KV read rate (GB/s, best of ``repeats`` over 30 layers' float32 pools) for sequences of
-    ``contexts`` cached positions, alone and ``batches`` at a time. Few sequences are shared out one kv head per
-    item (each thread reads one head's slice of every row); many, one whole sequence per item (whole rows)."""
+    ``contexts`` cached positions, ``batches`` at a time: with a few sequences' contexts split over the threads
+    (whole rows per item, the default) and without (one kv head per item, each thread reading a strided slice of
+    every row), alternated."""
     hq, hkv, d, bs = 9, 3, 64, 16
     for ctx in contexts:
         for seqs in batches:
@@ -111,15 +113,19 @@ def decode_long(contexts: tuple[int, ...] = (1000, 4000), batches: tuple[int, ..
             tables = torch.arange(nb * seqs, dtype=torch.int32).view(seqs, nb)
             lens = torch.full((seqs,), ctx, dtype=torch.int32)
             q = torch.randn(seqs, hq, d)
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for kc, vc in pools:
-                    cpu_attention.decode_attention(q, kc, vc, tables, lens, ctx, d ** -0.5)
-                best = min(best, time.perf_counter() - t0)
+            best = {"split": float("inf"), "kv heads": float("inf")}
+            for rep in range(repeats):
+                for name in (list(best) if rep % 2 == 0 else list(best)[::-1]):
+                    cpu_attention.use_split(name == "split")
+                    t0 = time.perf_counter()
+                    for kc, vc in pools:
+                        cpu_attention.decode_attention(q, kc, vc, tables, lens, ctx, d ** -0.5)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            cpu_attention.use_split(True)
             kv_bytes = seqs * ctx * hkv * d * 4 * 2 * LAYERS
-            print(f"decode, {seqs} x {ctx} positions, float32 cache: {best * 1e3 / seqs:.2f} ms per sequence per "
-                  f"step ({kv_bytes / best / 1e9:.1f} GB/s)", flush=True)
+            print(f"decode, {seqs} x {ctx} positions, float32 cache, ms per sequence per step (GB/s): " + "  ".join(
+                f"{name} {t * 1e3 / seqs:.2f} ({kv_bytes / t / 1e9:.1f})" for name, t in best.items())
+                + f"  split {best['kv heads'] / best['split']:.2f}x", flush=True)
             del pools
 
 

@@ -49,7 +49,7 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
         return None
     for name in ("has_avx512", "has_simd", "has_prefill"):
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("set_avx512", "set_generic"):
+    for name in ("set_avx512", "set_generic", "set_split"):
         getattr(lib, name).argtypes = [ctypes.c_int]
         getattr(lib, name).restype = None
     for name, argtypes in (("decode_f32", _ARGTYPES), ("decode_bf16", _ARGTYPES), ("decode_i8", _ARGTYPES),
@@ -92,6 +92,14 @@ def use_avx512(on: bool) -> None:
     lib = load()
     if lib is not None:
         lib.set_avx512(1 if on else 0)
+
+
+def use_split(on: bool) -> None:
+    """Let the decode kernel split a few sequences' contexts over the threads (default: whole rows per item, the
+    parts' softmax merged), or keep one kv head per item: for tests and side-by-side timings."""
+    lib = load()
+    if lib is not None:
+        lib.set_split(1 if on else 0)
 
 
 def use_generic(on: bool) -> None:

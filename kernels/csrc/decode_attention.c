@@ -38,9 +38,11 @@ typedef struct {
 
 static int use_avx512 = 1;    /* the AVX-512 items where built; set_avx512(0) keeps the AVX2 ones */
 static int force_generic = 0; /* set_generic(1) routes every call to the portable loops */
+static int use_split = 1;     /* set_split(0): few sequences one kv head per item, never split (context_parts) */
 
 void set_avx512(int on) { use_avx512 = on; }
 void set_generic(int on) { force_generic = on; }
+void set_split(int on) { use_split = on; }
 int has_avx512(void) { return INFERQ_HAVE_AVX512; }
 /* 1 if the vector path is built in */
 int has_simd(void) { return vector_shape(16, 16); }
@@ -192,6 +194,15 @@ static void softmax_rows(float* sc, int nh, int lpad, const __m256* mx, float* i
     }
 }
 
+/* A context part's softmax partials, where asked (split_share): per query head j its max and its sum. */
+static void item_stats(float* stats, int nh, const __m256* mx, const float* inv) {
+    if (!stats) return;
+    for (int j = 0; j < nh; j++) {
+        stats[2 * j] = _mm256_cvtss_f32(hmax8(mx[j]));
+        stats[2 * j + 1] = 1.0f / inv[j];
+    }
+}
+
 /* out row of query head h * G + g = acc row j / its softmax sum, for the item's nh query heads */
 static void store_output(const decode_args* a, int s, int h0, int nh, const float* acc, const float* inv) {
     const int ND = a->D / 8;
@@ -310,7 +321,8 @@ ALWAYS_INLINE void vsum_avx2(const int KIND, const decode_args* a, const int32_t
     }
 }
 
-ALWAYS_INLINE void item_avx2(const int KIND, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+ALWAYS_INLINE void item_avx2(const int KIND, const decode_args* a, int s, int h0, int h1, float* sc, float* acc,
+                           float* stats) {
     const int len = a->lens[s], nh = (h1 - h0) * (a->Hq / a->Hkv), lpad = (len + 7) / 8 * 8;
     const int32_t* bt = a->bt + s * a->bt_ss;
     __m256 mx[MAX_HEADS];
@@ -318,26 +330,27 @@ ALWAYS_INLINE void item_avx2(const int KIND, const decode_args* a, int s, int h0
     scores_avx2(KIND, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
     float inv[MAX_HEADS];
     softmax_rows(sc, nh, lpad, mx, inv);
+    item_stats(stats, nh, mx, inv);
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
     vsum_avx2(KIND, a, bt, len, h0, h1, sc, acc);
     store_output(a, s, h0, nh, acc, inv);
 }
 
-static void item_avx2_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item_avx2_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item_avx2(ELEM_F32, &l, s, h0, h1, sc, acc);
+    item_avx2(ELEM_F32, &l, s, h0, h1, sc, acc, stats);
 }
-static void item_avx2_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item_avx2_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item_avx2(ELEM_BF16, &l, s, h0, h1, sc, acc);
+    item_avx2(ELEM_BF16, &l, s, h0, h1, sc, acc, stats);
 }
-static void item_avx2_i8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item_avx2_i8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item_avx2(ELEM_I8, &l, s, h0, h1, sc, acc);
+    item_avx2(ELEM_I8, &l, s, h0, h1, sc, acc, stats);
 }
-static void item_avx2_f8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item_avx2_f8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item_avx2(ELEM_F8, &l, s, h0, h1, sc, acc);
+    item_avx2(ELEM_F8, &l, s, h0, h1, sc, acc, stats);
 }
 
 #if INFERQ_HAVE_AVX512
@@ -515,7 +528,8 @@ ALWAYS_INLINE void vsum512_item(const int KIND, const decode_args* a, const int3
     }
 }
 
-ALWAYS_INLINE void item512(const int KIND, const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+ALWAYS_INLINE void item512(const int KIND, const decode_args* a, int s, int h0, int h1, float* sc, float* acc,
+                         float* stats) {
     const int len = a->lens[s], nh = (h1 - h0) * (a->Hq / a->Hkv), lpad = (len + 7) / 8 * 8;
     const int32_t* bt = a->bt + s * a->bt_ss;
     __m256 mx[MAX_HEADS];
@@ -523,47 +537,48 @@ ALWAYS_INLINE void item512(const int KIND, const decode_args* a, int s, int h0, 
     scores512(KIND, a, a->q + s * a->q_ss, bt, len, h0, h1, sc, mx);
     float inv[MAX_HEADS];
     softmax_rows(sc, nh, lpad, mx, inv);
+    item_stats(stats, nh, mx, inv);
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)a->D);
     vsum512_item(KIND, a, bt, len, h0, h1, sc, acc);
     store_output(a, s, h0, nh, acc, inv);
 }
 
-static void item512_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item512_f32(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item512(ELEM_F32, &l, s, h0, h1, sc, acc);
+    item512(ELEM_F32, &l, s, h0, h1, sc, acc, stats);
 }
-static void item512_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item512_bf16(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item512(ELEM_BF16, &l, s, h0, h1, sc, acc);
+    item512(ELEM_BF16, &l, s, h0, h1, sc, acc, stats);
 }
-static void item512_i8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item512_i8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item512(ELEM_I8, &l, s, h0, h1, sc, acc);
+    item512(ELEM_I8, &l, s, h0, h1, sc, acc, stats);
 }
-static void item512_f8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc) {
+static void item512_f8(const decode_args* a, int s, int h0, int h1, float* sc, float* acc, float* stats) {
     const decode_args l = *a; /* a local copy: vector stores cannot alias it */
-    item512(ELEM_F8, &l, s, h0, h1, sc, acc);
+    item512(ELEM_F8, &l, s, h0, h1, sc, acc, stats);
 }
 #endif /* INFERQ_HAVE_AVX512 */
 
 /* one vector work item: the AVX-512 form where `wide` (built, enabled, head dim a multiple of 16), else AVX2 */
 static inline void vector_item(int kind, int wide, const decode_args* a, int s, int h0, int h1, float* sc,
-                               float* acc) {
+                               float* acc, float* stats) {
 #if INFERQ_HAVE_AVX512
     if (wide) {
-        if (kind == ELEM_I8) item512_i8(a, s, h0, h1, sc, acc);
-        else if (kind == ELEM_F8) item512_f8(a, s, h0, h1, sc, acc);
-        else if (kind == ELEM_BF16) item512_bf16(a, s, h0, h1, sc, acc);
-        else item512_f32(a, s, h0, h1, sc, acc);
+        if (kind == ELEM_I8) item512_i8(a, s, h0, h1, sc, acc, stats);
+        else if (kind == ELEM_F8) item512_f8(a, s, h0, h1, sc, acc, stats);
+        else if (kind == ELEM_BF16) item512_bf16(a, s, h0, h1, sc, acc, stats);
+        else item512_f32(a, s, h0, h1, sc, acc, stats);
         return;
     }
 #else
     (void)wide;
 #endif
-    if (kind == ELEM_I8) item_avx2_i8(a, s, h0, h1, sc, acc);
-    else if (kind == ELEM_F8) item_avx2_f8(a, s, h0, h1, sc, acc);
-    else if (kind == ELEM_BF16) item_avx2_bf16(a, s, h0, h1, sc, acc);
-    else item_avx2_f32(a, s, h0, h1, sc, acc);
+    if (kind == ELEM_I8) item_avx2_i8(a, s, h0, h1, sc, acc, stats);
+    else if (kind == ELEM_F8) item_avx2_f8(a, s, h0, h1, sc, acc, stats);
+    else if (kind == ELEM_BF16) item_avx2_bf16(a, s, h0, h1, sc, acc, stats);
+    else item_avx2_f32(a, s, h0, h1, sc, acc, stats);
 }
 
 /* the vector path: whole sequences per item when there are enough to share out, else one kv head per item */
@@ -594,11 +609,113 @@ static void vector_share(int kind, const decode_args* a, int per, int* err) {
         if (!sc || !acc) continue;
         const int s = (int)(i / parts), h0 = (int)(i % parts) * per;
         if (a->lens[s] <= 0) continue;
-        vector_item(kind, wide, a, s, h0, h0 + per, sc, acc);
+        vector_item(kind, wide, a, s, h0, h0 + per, sc, acc, NULL);
     }
     free(sc);
     free(acc);
     _mm_setcsr(csr);
+}
+
+/* Context parts per sequence (1: no split). With few sequences the items above are one kv head each, and a thread
+   then reads every row's slice of its head, strided: 1.7x slower per byte than whole rows (python -m
+   bench.cpu_kernels decode-long). Split instead, each item reads whole rows of one stretch of a sequence, up to
+   four items per thread in whole rounds, stretches of at least SPLIT_MIN positions; the parts' softmax
+   partials are merged. */
+#define SPLIT_MIN 128
+#define MAX_PARTS 64
+static int context_parts(const decode_args* a, int threads) {
+    if (!use_split || a->S >= 4 * threads || a->Hq > MAX_HEADS) return 1;
+    int parts = (4 * threads + a->S - 1) / a->S;
+    if (parts > a->max_len / SPLIT_MIN) parts = a->max_len / SPLIT_MIN;
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
+    if (parts * a->S > threads) parts -= (parts * a->S) % threads / a->S; /* whole rounds of items where it can */
+    return parts < 2 ? 1 : parts;
+}
+
+/* Positions per part of a sequence of len positions: a whole number of blocks, so that a part's block table is
+   the sequence's from a block on. */
+static int part_size(int len, int parts, int bs) {
+    const int size = (len + parts - 1) / parts;
+    return (size + bs - 1) / bs * bs;
+}
+
+/* Query head h of sequence s from its parts' outputs (each normalised by its own sum) and softmax partials:
+   weights e^(max_p - max) sum_p. Empty parts (sum 0) weigh nothing; a sequence with none is left as it is. */
+static void merge_parts(const decode_args* a, int parts, const float* part_out, const float* stats, int s, int h) {
+    const int Hq = a->Hq, D = a->D;
+    float top = -INFINITY;
+    for (int p = 0; p < parts; p++) {
+        const float* st = stats + (((int64_t)s * parts + p) * Hq + h) * 2;
+        if (st[1] > 0.0f && st[0] > top) top = st[0];
+    }
+    if (top == -INFINITY) return;
+    float w[MAX_PARTS], total = 0.0f;
+    for (int p = 0; p < parts; p++) {
+        const float* st = stats + (((int64_t)s * parts + p) * Hq + h) * 2;
+        w[p] = st[1] > 0.0f ? expf(st[0] - top) * st[1] : 0.0f;
+        total += w[p];
+    }
+    float* out = a->out + s * a->o_ss + (int64_t)h * a->o_hs;
+    for (int c = 0; c < D; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int p = 0; p < parts; p++)
+            if (w[p] > 0.0f)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(w[p]),
+                                      _mm256_loadu_ps(part_out + (((int64_t)s * parts + p) * Hq + h) * D + c), acc);
+        _mm256_storeu_ps(out + c, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+    }
+}
+
+/* The split items over the team, then the merge: two work-sharing loops (two barriers) instead of one. */
+static void split_share(int kind, const decode_args* a, int parts, int* err) {
+    const int S = a->S, Hq = a->Hq, D = a->D, bs = a->c.bs;
+    const int wide = INFERQ_HAVE_AVX512 && use_avx512 && (D / 8) % 2 == 0;
+    float* shared = NULL; /* [S, parts, Hq, D] part outputs, then [S, parts, Hq, 2] their (max, sum) */
+#pragma omp single copyprivate(shared)
+    shared = (float*)malloc(sizeof(float) * (size_t)S * (size_t)parts * (size_t)Hq * (size_t)(D + 2));
+    if (!shared) { /* every member sees it: all return here, past the same barrier */
+#pragma omp atomic write
+        *err = 2;
+        return;
+    }
+    float* part_out = shared;
+    float* stats = shared + (size_t)S * parts * Hq * D;
+    const unsigned int csr = flush_denormals();
+    const int lp = (part_size(a->max_len, parts, bs) + 7) / 8 * 8;
+    float* sc = (float*)malloc(sizeof(float) * (size_t)Hq * (size_t)lp);
+    float* acc = (float*)malloc(sizeof(float) * (size_t)Hq * (size_t)D);
+    if (!sc || !acc) {
+#pragma omp atomic write
+        *err = 2;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < (int64_t)S * parts; i++) {
+        const int s = (int)(i / parts), p = (int)(i % parts), len = a->lens[s];
+        const int size = part_size(len > 0 ? len : 1, parts, bs), t0 = p * size;
+        int n = len - t0 < size ? len - t0 : size;
+        float* st = stats + i * Hq * 2;
+        if (n <= 0 || !sc || !acc) {
+            for (int j = 0; j < Hq; j++) st[2 * j] = -INFINITY, st[2 * j + 1] = 0.0f;
+            continue;
+        }
+        decode_args l = *a; /* the part as a sequence of its own: its block table from block t0 / bs on */
+        l.q = a->q + s * a->q_ss;
+        l.bt = a->bt + s * a->bt_ss + t0 / bs;
+        l.lens = &n;
+        l.out = part_out + i * Hq * D;
+        l.o_ss = 0;
+        l.o_hs = D;
+        l.S = 1;
+        l.max_len = size;
+        vector_item(kind, wide, &l, 0, 0, a->Hkv, sc, acc, st);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < (int64_t)S * Hq; i++) merge_parts(a, parts, part_out, stats, (int)(i / Hq), (int)(i % Hq));
+    free(sc);
+    free(acc);
+    _mm_setcsr(csr);
+#pragma omp single nowait
+    free(shared); /* every member is past the merge's barrier */
 }
 #endif /* INFERQ_HAVE_AVX2 */
 
@@ -610,6 +727,11 @@ static int decode_share(int kind, const decode_args* a, int threads) {
     int err = 0;
 #if INFERQ_HAVE_AVX2
     if (vector_shape(a->D, a->c.bs) && !force_generic) {
+        const int parts = context_parts(a, threads);
+        if (parts > 1) {
+            split_share(kind, a, parts, &err);
+            return err;
+        }
         const int per = vector_heads_per_item(a, threads);
         if (!per) return 1;
         vector_share(kind, a, per, &err);

@@ -367,3 +367,31 @@ def test_prefaulted_buffers_are_resident_at_once():
     eager = hugepages.zeros((size // 4,), torch.float32, prefault=True)
     assert _resident_pages(eager) == (total, total) and not eager.any()
     del lazy, eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, kv_quant.FP8_ROWS],
+                         ids=["f32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("lens", [[1500], [700, 1], [300, 1100, 2]], ids=["one", "two", "three"])
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
+def test_few_long_sequences_split_over_the_threads(dtype, lens, path):
+    """A few long sequences: each context is split into stretches of whole rows over the threads and the parts'
+    softmax partials merged (decode_attention.c's split_share). Against the reference, on each vector path and
+    cache type, ragged lengths (a one-position sequence beside a long one) included; and not the same floats as
+    the unsplit kernel (one kv head per item), which shows the split path ran."""
+    if path == "avx512" and not cpu_attention.has_avx512():
+        pytest.skip("no AVX-512 path on this CPU")
+    hq, hkv, d, bs = 9, 3, 64, 16
+    query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, dtype, lens, seed=len(lens) * 13 + max(lens))
+    args = (query, kc, vc, tables, seq_lens, max(lens), d ** -0.5)
+    try:
+        split = _decode_on(path, *args)
+        cpu_attention.use_split(False)
+        whole = _decode_on(path, *args)
+    finally:
+        cpu_attention.use_split(True)
+    expected = reference.paged_attention(query, _widened(kc), _widened(vc), tables, seq_lens,
+                                         torch.arange(len(lens) + 1, dtype=torch.int32), d ** -0.5)
+    assert torch.isfinite(split).all()
+    torch.testing.assert_close(split, expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(split, whole, atol=2e-5, rtol=1e-4)
+    assert not torch.equal(split, whole)
