@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request, SamplingParams, Tier
 
 
 @dataclass
@@ -93,3 +93,15 @@ def seeded_requests(seed: int = 2, n: int = 10) -> list[Request]:
     return [Request(f"s{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=100 + i,
                                                ignore_eos=True))
             for i, p in enumerate(prompts)]
+
+
+def greedy_requests(prompts: list[list[int]], max_tokens: list[int]) -> list[Request]:
+    """Greedy requests ``g0, g1, ...``, every fourth in the interactive tier."""
+    return [Request(f"g{i}", p, SamplingParams(max_tokens=m, temperature=0.0),
+                    tier=Tier.INTERACTIVE if i % 4 == 0 else Tier.BATCH)
+            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+
+
+def mismatches(outs: dict[str, Any], expected: list[list[int]]) -> list[int]:
+    """The indices of the greedy requests whose tokens differ from ``expected``."""
+    return [i for i in range(len(expected)) if outs[f"g{i}"].token_ids != expected[i]]

@@ -16,7 +16,15 @@ import pytest
 
 from inferq.settings import Settings
 from scheduler.request import FinishReason, Request, SamplingParams, Tier
-from tests.engine_fixtures import FakeRunner, greedy_workload, reference, run_all, seeded_requests
+from tests.engine_fixtures import (
+    FakeRunner,
+    greedy_requests,
+    greedy_workload,
+    mismatches,
+    reference,
+    run_all,
+    seeded_requests,
+)
 from worker.engine import LLMEngine
 
 
@@ -224,12 +232,9 @@ def test_greedy_matches_hf_generate(tiny_model, scenario, attention):
 
     engine = real_engine(tiny_model, attention_backend=attention, **REAL_SCENARIOS[scenario])
     assert engine.runner.backend.name == attention
-    reqs = [Request(f"g{i}", p, SamplingParams(max_tokens=m, temperature=0.0),
-                    tier=Tier.INTERACTIVE if i % 4 == 0 else Tier.BATCH)
-            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
-    outs = run_all(engine, reqs)
-    mismatches = [i for i in range(len(prompts)) if outs[f"g{i}"].token_ids != expected[i]]
-    assert not mismatches, f"{scenario}: requests {mismatches} differ from HF generate"
+    outs = run_all(engine, greedy_requests(prompts, max_tokens))
+    differ = mismatches(outs, expected)
+    assert not differ, f"{scenario}: requests {differ} differ from HF generate"
     st = engine.stats
     if scenario == "tiny_pool":
         assert st.preemptions > 0

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from inferq.settings import Settings
-from scheduler.request import Request, SamplingParams, Tier
-from tests.engine_fixtures import greedy_workload, run_all, seeded_requests
+from tests.engine_fixtures import greedy_requests, greedy_workload, mismatches, run_all, seeded_requests
 from worker.engine import LLMEngine
 
 pytestmark = [
@@ -72,12 +71,8 @@ def test_greedy_on_cuda_matches_hf_generate(tiny_model, scenario, attention):
     engine = cuda_engine(tiny_model, attention_backend=attention, **SCENARIOS[scenario])
     assert engine.runner.device.type == "cuda"
     assert engine.runner.backend.name == attention
-    reqs = [Request(f"g{i}", p, SamplingParams(max_tokens=m, temperature=0.0),
-                    tier=Tier.INTERACTIVE if i % 4 == 0 else Tier.BATCH)
-            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
-    outs = run_all(engine, reqs)
-    mismatches = [i for i in range(len(prompts)) if outs[f"g{i}"].token_ids != expected[i]]
-    assert not mismatches, f"{scenario}/{attention}: requests {mismatches} differ from HF generate on the GPU"
+    differ = mismatches(run_all(engine, greedy_requests(prompts, max_tokens)), expected)
+    assert not differ, f"{scenario}/{attention}: requests {differ} differ from HF generate on the GPU"
     if scenario == "tiny_pool":
         assert engine.stats.preemptions > 0
     else:
