@@ -421,18 +421,17 @@ class Bench:
         sync = self.torch.cuda.synchronize
         for r in reqs:
             engine.add_request(r)
-        steps: list[tuple[float, int]] = []  # (seconds, prompt tokens still to prefill before the step)
+        steps: list[tuple[float, bool]] = []  # (seconds, whether a prompt was still being prefilled)
         sync()
         t0 = time.perf_counter()
         while engine.has_unfinished():
-            pending = sum(r.num_prompt_tokens - r.num_computed_tokens for r in reqs
-                          if r.num_computed_tokens < r.num_prompt_tokens)
+            prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs)
             s0 = time.perf_counter()
             engine.step()
             sync()
-            steps.append((time.perf_counter() - s0, pending))
+            steps.append((time.perf_counter() - s0, prefilling))
         wall = time.perf_counter() - t0
-        decode = sorted(t for t, pending in steps if pending == 0)
+        decode = sorted(t for t, prefilling in steps if not prefilling)
         gen = sum(len(r.output_token_ids) for r in reqs)
         row = {"wall_s": wall, "generated_tokens": gen, "output_tok_s": gen / wall,
                "total_tok_s": (gen + self.args.e2e_prompt * len(reqs)) / wall, "steps": len(steps),

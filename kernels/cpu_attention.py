@@ -96,7 +96,9 @@ def use_avx512(on: bool) -> None:
 
 def use_split(on: bool) -> None:
     """Let the decode kernel split a few sequences' contexts over the threads (default: whole rows per item, the
-    parts' softmax merged), or keep one kv head per item: for tests and side-by-side timings."""
+    parts' softmax merged), or keep one kv head per item: for tests and side-by-side timings. This library's
+    switch only: the fused step's library (kernels/decode_step.py) compiles the kernel in with a ``set_split``
+    of its own."""
     lib = load()
     if lib is not None:
         lib.set_split(1 if on else 0)
