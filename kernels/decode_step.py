@@ -41,7 +41,7 @@ from kernels import cpu_attention, cpu_gemm, kv_quant, native, packed_gemm
 SOURCES = ("decode_step.c", "packed_gemm.c", "quant_gemm.c", "decode_attention.c", "prefill_attention.c",
            "rms_norm.c", "rope.c", "activation.c")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-W_F32, W_BF16, W_I8, W_I4 = range(4)  # decode_step.c's panel kinds
+W_F32, W_BF16, W_I8, W_I4, W_I4A8 = range(5)  # decode_step.c's panel kinds
 DTYPES = (torch.float32, torch.bfloat16)  # the models' arithmetic it takes (bfloat16: computed in float32)
 MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
 # simd.h's ELEM_F32, ELEM_BF16, ELEM_I8 and ELEM_F8 (the quantised caches' rows of codes + scale)
@@ -116,7 +116,7 @@ def _panels(lin) -> tuple | None:
         return None
     panels = getattr(lin, "panels", None)
     if panels is not None and lin.forms[0] == "panels":
-        return (W_I4 if panels.fmt == "int4" else W_I8), panels.codes, panels.scales, panels.group_size
+        return W_I8 + panels.code, panels.codes, panels.scales, panels.group_size
     return None
 
 

@@ -52,7 +52,10 @@ FORMS = {"int8": ("w8a16", "w8dq", "w8a8", "w8a8w", "panels"), "int4": ("w4", "w
 # candidate only when asked for (``activations="any"``); our kernel's blocks of 32 keep int8's +1% (+0.59% with
 # every product but the LM head in them), so plain int8 times them too (``"blocks"``) where the kernel builds and
 # K allows; ``"float"`` keeps activations float (the LM head: the logits are the most sensitive product).
-ACTIVATIONS = ("float", "blocks", "any")
+# ``"int8"`` (int4 weights: the ``w4a8`` quantisation) quantises every product's activations to int8 in blocks of
+# 32, whichever form runs it: our panels multiply them in integers (``csrc/quant_gemm.c``'s block4a8), torch's
+# forms get the de-quantised blocks, so the arithmetic's rounding is the same in every M bucket.
+ACTIVATIONS = ("float", "blocks", "any", "int8")
 WEIGHT_ONLY = {"int8": ("w8a16", "w8dq", "panels"), "int4": ("w4", "w4dq", "panels")}
 # Panels that win the decode bucket serve every bucket (one copy of the weight) when no other form is faster by
 # more than this in any bucket
@@ -83,6 +86,14 @@ def _int4_packed(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, sz
 
 
+def act8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each row's blocks of 32 inputs quantised to int8 and back (``w8a8_panels.reference_quantize``,
+    the kernels' own rounding): what a torch form multiplies where int4 panels would take int8 activations."""
+    q, d = w8a8_panels.reference_quantize(x.float())
+    m, k = x.shape
+    return (q.float().view(m, k // 32, 32) * d.view(m, k // 32, 1)).view(m, k).to(x.dtype)
+
+
 @dataclass
 class QuantLinear:
     """``y = x W^T + b`` with ``W`` quantised; the same calls as :class:`kernels.cpu_gemm.Linear`.
@@ -93,6 +104,7 @@ class QuantLinear:
     forms: tuple[str, ...]
     keep_rows: bool = False  # keep what :meth:`rows` reads (a tied head is also the embedding table)
     huge: bool = False  # panels in the huge-page arena (a weight kept for the model's life)
+    act8: bool = False  # int4: activations quantised to int8 blocks of 32 in every product (ACTIVATIONS' "int8")
     _state: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +112,8 @@ class QuantLinear:
         self.panels: quant_panels.Panels | None = None
         if "panels" in self.forms:
             self.panels = quant_panels.pack(q, huge=self.huge)
+            if self.act8:
+                self.panels = quant_panels.with_int8_activations(self.panels)
         # w8a8 / w8a8w in our block-32 kernel where it builds and K is a multiple of 32 (else both are torch's
         # per-token form)
         self.a8: w8a8_panels.Panels | None = None
@@ -203,7 +217,7 @@ class QuantLinear:
         if a8 is not None:
             y = w8a8_panels.matmul(x, a8, self.bias)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
-        y = self._product(x, form).to(x.dtype)
+        y = self._product(act8_blocks(x) if self.act8 else x, form).to(x.dtype)
         return y.add_(self.bias) if self.bias is not None else y
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -217,14 +231,14 @@ class QuantLinear:
         return out.add_(self(x))
 
 
-def _measure(q: QuantizedWeight, forms: tuple[str, ...]) -> tuple[str, ...]:
+def _measure(q: QuantizedWeight, forms: tuple[str, ...], act8: bool = False) -> tuple[str, ...]:
     """The form per M bucket for this shape: each bucket's fastest of ``forms``, timed interleaved with a cold
     weight (as a model step reads it), best of a few runs; then panels everywhere if they win the decode bucket
     and are within ``KEEP_ONE_MARGIN`` of the fastest in every other one (one copy of the weight)."""
     n, k = q.shape
     if len(forms) == 1:
         return forms * (len(BUCKET_LIMITS) + 1)
-    lins = {f: QuantLinear(q, None, (f,) * len(PROBE_M), keep_rows=True) for f in forms}
+    lins = {f: QuantLinear(q, None, (f,) * len(PROBE_M), keep_rows=True, act8=act8) for f in forms}
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(m, k, generator=gen) for m in PROBE_M if 2 * m * n * k <= MAX_PROBE_FLOP]
     scratch = torch.zeros(SCRATCH_BYTES // 4)
@@ -264,7 +278,7 @@ def candidates(fmt: str, activations: str = "float", k: int | None = None) -> tu
     block-32 W8A8 too where it builds for a K of ``k`` (None: unknown); with ``"any"`` every int8 form (torch's
     per-token W8A8 where ours does not apply); the panels where their kernel builds."""
     assert activations in ACTIVATIONS, activations
-    blocks = (activations == "blocks" and fmt == "int8" and k is not None and w8a8_panels.supports(k)
+    blocks = (activations in ("blocks", "int8") and fmt == "int8" and k is not None and w8a8_panels.supports(k)
               and w8a8_panels.available())
     forms = FORMS[fmt] if activations == "any" or blocks else WEIGHT_ONLY[fmt]
     # the int16 w8a8 copy only where it can beat the int8 one (AVX2 without VNNI) and our kernel builds
@@ -278,27 +292,29 @@ def plan(q: QuantizedWeight, bias: torch.Tensor | None = None, *, embedding: boo
     process, or read from this machine's plan file (:mod:`kernels.plan_cache`) (``autotune=False``: the first
     form everywhere, for tests). ``embedding``: the weight is also the
     embedding table (kept readable by :meth:`QuantLinear.rows`); ``activations``: which int8-activation forms
-    are candidates (:func:`candidates`).
+    are candidates (:func:`candidates`); ``"int8"`` with int4 weights: every product's activations in int8
+    blocks of 32 (``QuantLinear.act8``) where k allows (a multiple of 32).
     """
     forms = candidates(q.fmt, activations, q.shape[1])
-    key = (tuple(q.shape), q.fmt, q.group_size, forms, torch.get_num_threads())
+    act8 = activations == "int8" and q.fmt == "int4" and quant_panels.supports_act8(q.shape[1], q.group_size)
+    key = (tuple(q.shape), q.fmt, q.group_size, forms, torch.get_num_threads()) + (("a8",) if act8 else ())
     with _lock:
         found = _plans.get(key)
         if found is None and autotune:
             kept = plan_cache.lookup("quant_gemm", key)  # this machine's earlier measurement (kernels/plan_cache.py)
             kept = kept if isinstance(kept, list) and len(kept) == len(BUCKET_LIMITS) + 1 and set(kept) <= set(forms) else None
-            found = tuple(kept) if kept else _measure(q, forms)
+            found = tuple(kept) if kept else _measure(q, forms, act8)
             if not kept:
                 plan_cache.store("quant_gemm", key, found)
             _plans[key] = found
         elif found is None:
             found = (forms[0],) * (len(BUCKET_LIMITS) + 1)
-    return QuantLinear(q, bias, found, keep_rows=embedding, huge=True)
+    return QuantLinear(q, bias, found, keep_rows=embedding, huge=True, act8=act8)
 
 
 def plans() -> dict[str, str]:
     """The forms chosen so far: ``"out x in fmt" -> "form per M bucket"``."""
     with _lock:
         return {f"{k[0][0]}x{k[0][1]} {k[1]}{'/g' + str(k[2]) if k[2] else ''}"
-                f"{' a8' if 'w8a8' in k[3] else ''}": "/".join(v)
+                f"{' a8' if 'w8a8' in k[3] or 'a8' in k[5:] else ''}": "/".join(v)
                 for k, v in _plans.items()}

@@ -16,6 +16,7 @@ Which of this and torch's forms is faster per shape and M is measured at load by
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -72,6 +73,12 @@ class Panels:
     group_size: int
     codes: torch.Tensor
     scales: torch.Tensor
+    act8: bool = False  # int4 only: activations quantised to int8 in blocks of 32 in every product (w4a8)
+
+    @property
+    def code(self) -> int:
+        """The kernel's format number: 0 int8, 1 int4, 2 int4 times int8 activations."""
+        return 2 if self.act8 else FMT[self.fmt]
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +124,20 @@ def pack(q: QuantizedWeight, huge: bool = False) -> Panels:
     return Panels("int4", n, k, q.group_size, _alloc(tuple(packed.shape), torch.uint8, huge).copy_(packed), sz)
 
 
+def with_int8_activations(panels: Panels) -> Panels:
+    """The same int4 panels (no copy), multiplied with activations quantised to int8 in blocks of 32 inputs and
+    integer dot products (``csrc/quant_gemm.c``'s ``block4a8``: llama.cpp's Q4 x Q8_0 arithmetic). Needs k a
+    multiple of 32 (:func:`supports_act8`)."""
+    assert panels.fmt == "int4" and supports_act8(panels.k, panels.group_size), (panels.k, panels.group_size)
+    return dataclasses.replace(panels, act8=True)
+
+
+def supports_act8(k: int, group_size: int) -> bool:
+    """Whether int4 panels of this width and group size multiply int8 activations: k in whole blocks of 32, and
+    each group a multiple or a divisor of 32."""
+    return k % 32 == 0 and (group_size % 32 == 0 or 32 % group_size == 0)
+
+
 def operands(x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None, out: torch.Tensor | None):
     """A panel product's C operands: ``x`` float32 ``[M, k]`` with dense rows, ``out`` (a new float32 ``[M, n]``
     unless given, then accumulated into), ``bias`` float32 and dense or None, and whether it accumulates."""
@@ -144,8 +165,8 @@ def matmul(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None, ou
     x, out, bias, accumulate = operands(x, panels.k, panels.n, bias, out)
     m, k = x.shape
     fn = lib.qgemm_team if team else lib.qgemm
-    err = fn(FMT[panels.fmt], x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
+    err = fn(panels.code, x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
              panels.group_size, bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m,
              panels.n, k, 1 if accumulate else 0)
-    assert err == 0, f"quantised panel GEMM refused {panels.fmt} k={k} group={panels.group_size}"
+    assert err == 0, f"quantised panel GEMM refused {panels.fmt}{' a8' if panels.act8 else ''} k={k} group={panels.group_size}"
     return out

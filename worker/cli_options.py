@@ -19,7 +19,7 @@ TENSOR_PARALLEL_SIZE = typer.Option(None, "--tensor-parallel-size", min=1,
                                     help="Split the model across this many ranks (processes) started by this one; "
                                          "docs/ENGINE.md, Tensor parallelism.")
 QUANTIZATION = typer.Option(None, "--quantization",
-                            help="none, int8, w8a16, w8a8, int4, or auto (the default model's own 4-bit GGUF blocks, a "
+                            help="none, int8, w8a16, w8a8, int4, w4a8, or auto (the default model's own 4-bit GGUF blocks, a "
                                  "GPTQ/AWQ checkpoint's 4-bit weights); docs/ENGINE.md, Quantised weights.")
 KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV-cache pool size, e.g. 2GiB.")
 MAX_NUM_SEQS = typer.Option(None, "--max-num-seqs", help="Most requests running at once.")

@@ -144,14 +144,14 @@ def _quantized_format(tensors: dict) -> str:
 
 def _read_packed(model_dir: Path, tensors: dict, quantization: str) -> dict | None:
     """A GPTQ/AWQ checkpoint's tensors with its packed projections unpacked (``worker/gptq_weights.py``):
-    kept 4-bit under "auto" and "int4", de-quantised to float otherwise (logged); None for any other
+    kept 4-bit under "auto", "int4" and "w4a8", de-quantised to float otherwise (logged); None for any other
     checkpoint."""
     from worker import gptq_weights
 
     cfg = gptq_weights.packed_config(model_dir)
     if cfg is None:
         return None
-    return gptq_weights.unpack(tensors, cfg, keep=quantization in ("auto", "int4"), where=str(model_dir))
+    return gptq_weights.unpack(tensors, cfg, keep=quantization in ("auto", "int4", "w4a8"), where=str(model_dir))
 
 
 def _linear_bytes(p) -> int:
@@ -218,7 +218,7 @@ class CausalLM:
         quantization: str = "none", group_size: int = 32,
     ) -> CausalLM:
         """``transform``: (config, tensors) -> (config, tensors) before loading (a tensor-parallel shard).
-        ``quantization``: "none"; "int8"/"w8a16"/"w8a8"/"int4" (float weights quantised as they load); "auto" (a model
+        ``quantization``: "none"; "int8"/"w8a16"/"w8a8"/"int4"/"w4a8" (float weights quantised as they load); "auto" (a model
         converted from a GGUF is read from that GGUF with its 4/8-bit blocks kept, a GPTQ/AWQ checkpoint keeps its
         4-bit weights; any other stays float). A GPTQ/AWQ checkpoint under "none" is de-quantised to float."""
         model_dir = Path(model_dir)

@@ -20,8 +20,9 @@ from worker.model_config import ModelConfig, ModelError
 # The quantisation settings that quantise float weights as they load, and the int8-activation forms a setting
 # lets the planner time where it differs from our block-32 ones (kernels/quant_gemm.py): w8a16 none, w8a8
 # torch's per-token one too
-QUANTIZED_AT_LOAD = ("int8", "w8a16", "w8a8", "int4")
-ACTIVATIONS = {"w8a16": "float", "w8a8": "any"}
+QUANTIZED_AT_LOAD = ("int8", "w8a16", "w8a8", "int4", "w4a8")
+ACTIVATIONS = {"w8a16": "float", "w8a8": "any", "w4a8": "int8"}
+WEIGHT_FORMAT = {"w4a8": "int4"}  # the weight format of a setting not named after one
 
 
 @dataclass
@@ -74,7 +75,8 @@ class _Reader:
         self.interleave_rope = interleave_rope
         self.where = where
         # "none", or one of QUANTIZED_AT_LOAD: float weights quantised as loaded (kernels/quant_gemm.py's
-        # activations: int8 times float or block-32 int8 ones; w8a16 float only; w8a8 per-token ones too)
+        # activations: int8 times float or block-32 int8 ones; w8a16 float only; w8a8 per-token ones too; w4a8
+        # int4 times block-32 int8 ones in every product but the head's)
         self.quantization = quantization
         self.group_size = group_size
         half = config.head_dim // 2
@@ -125,7 +127,8 @@ class _Reader:
         and int8 keeps its error well under int4's, as llama.cpp's 4-bit files do with a Q6/Q8 head)."""
         assert w_oi is not None  # take() raised for missing required weights
         if not isinstance(w_oi, QuantizedWeight) and self.quantization != "none":
-            fmt = self.quantization if self.quantization in ("int8", "int4") and not head else "int8"
+            fmt = WEIGHT_FORMAT.get(self.quantization, self.quantization)
+            fmt = fmt if fmt in ("int8", "int4") and not head else "int8"
             try:
                 w_oi = quant.quantize(w_oi, fmt, self.group_size)
             except ValueError as exc:  # e.g. a width that is no whole number of int4 groups

@@ -74,13 +74,14 @@ void rope_interleaved_f32(float* x, int64_t xs, const float* rot, int64_t rs, in
 void silu_mul_to_f32(const float* gu, int64_t rs, float* out, int64_t os, int T, int inter);
 
 /* One projection's weight in panels of 16 output columns: float32 or bfloat16 ([ceil(N/16), K, 16],
-   kernels/packed_gemm.py), or int8 / int4 codes with their scales (kernels/quant_panels.py). */
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
+   kernels/packed_gemm.py), or int8 / int4 codes with their scales (kernels/quant_panels.py); int4's multiplied
+   with float or with int8 activations (qgemm_team's format is the kind less W_I8). */
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3, W_I4A8 = 4 /* int4 times int8 activations */ };
 typedef struct {
     const void* w;
     const float* bias;   /* or NULL */
     const float* scales; /* int8: per column; int4: per group, scales then offsets; else NULL */
-    int kind;            /* W_F32 .. W_I4 */
+    int kind;            /* W_F32 .. W_I4A8 */
     int group;           /* int4 group size */
 } step_proj;
 
@@ -252,7 +253,7 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
     if (p->kind <= W_BF16)
         gemm_team(p->kind == W_BF16, x, xs, p->w, p->bias, y, ys, M, N, K, accumulate);
     else
-        qgemm_team(p->kind == W_I4, x, xs, p->w, p->scales, p->group, p->bias, y, ys, M, N, K, accumulate);
+        qgemm_team(p->kind - W_I8, x, xs, p->w, p->scales, p->group, p->bias, y, ys, M, N, K, accumulate);
 }
 
 /* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared

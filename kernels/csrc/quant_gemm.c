@@ -44,12 +44,15 @@
 #define PANEL 16
 #define FMT_I8 0
 #define FMT_I4 1
+#define FMT_I4A8 2 /* int4 panels times int8 activations (block4a8) */
+#define QB 32      /* inputs per int8 activation block */
 #define KIND_F32 0 /* the widened scratch tile */
 #define KIND_I8 1
 /* k per widened scratch tile: 16 KiB of float32, half of L1d, a multiple of every int4 group size */
 #define KBLOCK 256
 #define X_BLOCK_BYTES (192 * 1024) /* x rows per row block of the widened path: L2 resident (packed_gemm.c) */
 #define XSUM_STACK 4096            /* floats of group sums held on the stack; more: malloc */
+#define A8_STACK 16384             /* bytes of quantised activations held on the stack; more: malloc */
 #ifdef INFERQ_NO_SPLIT_K
 #define SPLIT_K(MR) 1
 #else
@@ -225,6 +228,73 @@ ALWAYS_INLINE void block4(const int MR, const float* x, int64_t xs, const uint8_
     store_tile(MR, t, 0, y, ys, b, nc, accumulate);
 }
 
+/* int4 panels times int8 activations (FMT_I4A8: the "w4a8" quantisation; llama.cpp's Q4 x Q8_0 arithmetic on
+   our panels): x quantised per row in blocks of 32 inputs (quant_block32), the products summed exactly in integers.
+   Why: block4's one-row tile is bound by its instructions (per 32 multiply-adds: two widening loads, two ands, two
+   shifts, four conversions, four FMAs), not by memory, on every CPU measured; here 64 multiply-adds cost a load,
+   three ops to split the nibbles, two unpacks and, per row, a broadcast, a shuffle, two vpmaddubsw and two adds.
+
+   Two pair rows j, j + 1 (32 bytes, k = 2j .. 2j + 3) split into their low nibbles (k = 2j, 2j + 2 in the two
+   128-bit lanes) and high ones (2j + 1, 2j + 3); unpacking bytes interleaves them into [column c: k, k + 1] pairs,
+   columns 0-7 (P) and 8-15 (Q), lane 0 holding pair row j and lane 1 pair row j + 1. The row's four codes
+   broadcast and shuffled to (x_2j, x_2j+1) in lane 0 and (x_2j+2, x_2j+3) in lane 1 make vpmaddubsw's signed
+   operand (the codes 0..15 its unsigned one: no sign trick), and each int16 lane gets one column's two products.
+   Those are added in int16 over a fold of F = min(G, 32) inputs (at most 8 steps of 2 * 15 * 127: 30,480 fits),
+   then the two lanes widened to int32 and added (the column's sum over the fold), converted once, and
+   fused-multiply-added into the float totals with the group's scales times the block's activation scale. The
+   offsets' term is o_g times the group's sum of the de-quantised activations (xh), once per group:
+     y = sum_g [ s_g sum_{b in g} d_b sum_{k in b} q_k c_k + o_g sum_{k in g} d_b(k) q_k ].
+   The same code runs in AVX-512 builds (no 512-bit variant yet), so every build gives equal results. */
+ALWAYS_INLINE void block4a8(const int MR, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
+                            const float* xh, int ng, const uint8_t* w, const float* sz, int G, int K, float* y,
+                            int64_t ys, const float* b, int nc, int accumulate, const uint8_t* prefetch) {
+    const int F = G < QB ? G : QB;
+    const __m256i nib = _mm256_set1_epi8(15);
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    __m256 t[4][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
+    for (int k0 = 0; k0 < K; k0 += F) {
+        const int g = k0 / G;
+        if (prefetch && k0 % G == 0) prefetch_group(sz, ng, g);
+        __m256i a[4][2];
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+        for (int k = k0; k < k0 + F; k += 4) {
+            const int j = k / 2;
+            if (prefetch && !(j & 3)) _mm_prefetch((const char*)(prefetch + (int64_t)j * PANEL), _MM_HINT_T0);
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (int64_t)j * PANEL));
+            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            const __m256i P = _mm256_unpacklo_epi8(lo, hi), Q = _mm256_unpackhi_epi8(lo, hi);
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+                int32_t quad;
+                memcpy(&quad, xq + r * xqs + k, 4);
+                const __m256i xa = _mm256_shuffle_epi8(_mm256_set1_epi32(quad), pairs);
+                a[r][0] = _mm256_add_epi16(a[r][0], _mm256_maddubs_epi16(P, xa));
+                a[r][1] = _mm256_add_epi16(a[r][1], _mm256_maddubs_epi16(Q, xa));
+            }
+        }
+        const float* gs = sz + (int64_t)g * 2 * PANEL;
+        const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+            const __m256 d = _mm256_broadcast_ss(xd + r * xds + k0 / QB);
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                const __m256i sum = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a[r][h])),
+                                                     _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a[r][h], 1)));
+                t[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(h ? s1 : s0, d), _mm256_cvtepi32_ps(sum), t[r][h]);
+            }
+        }
+        if ((k0 + F) % G == 0) {
+            const __m256 o0 = _mm256_loadu_ps(gs + 16), o1 = _mm256_loadu_ps(gs + 24);
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+                const __m256 xs_g = _mm256_broadcast_ss(xh + r * ng + g);
+                t[r][0] = _mm256_fmadd_ps(o0, xs_g, t[r][0]);
+                t[r][1] = _mm256_fmadd_ps(o1, xs_g, t[r][1]);
+            }
+        }
+    }
+    store_tile(MR, t, 0, y, ys, b, nc, accumulate);
+}
+
 #if INFERQ_HAVE_AVX512
 /* The decode tiles on 512-bit registers (AVX-512 builds): one zmm holds a panel row's 16 columns, so a row costs
    half the instructions of the two-ymm tiles above. At one row the int4 tile is bound by its instructions, not by
@@ -355,6 +425,17 @@ static void tile_i4(int mr, const float* x, int64_t xs, const uint8_t* w, const 
     }
 }
 
+static void tile_i4a8(int mr, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds, const float* xh, int ng,
+                      const uint8_t* w, const float* sz, int G, int K, float* y, int64_t ys, const float* b, int nc,
+                      int acc, const uint8_t* pf) {
+    switch (mr) {
+        case 1: block4a8(1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
+        case 2: block4a8(2, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
+        case 3: block4a8(3, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
+        default: block4a8(4, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
+    }
+}
+
 /* Panel p's rows k0 .. k0 + kn widened to float32 weights in dst [kn, 16]; the same rows of the next panel
    (pf, its codes) prefetched. */
 static void widen(int fmt, const void* codes, const float* s, int G, int K, int k0, int kn, float* dst,
@@ -400,11 +481,21 @@ static int row_block(int M, int k_len) {
     return M <= 2 * mb ? M : mb;
 }
 
+/* x's rows quantised for FMT_I4A8 (quant_rows): codes [M, K], block scales [M, K/32], and per group the sum of
+   the de-quantised activations [M, K/G] (the offsets' term). */
+typedef struct {
+    const int8_t* q;
+    const float* d;
+    const float* h;
+} act8;
+
 /* Codes widened in registers by every row tile: near-equal tiles of at most 6 (int8) or 4 (int4) rows; the
-   first tile of a panel prefetches the next. xg: the rows' group sums of x (int4). */
+   first tile of a panel prefetches the next. xg: the rows' group sums of x (int4); xa: the rows quantised
+   (int4 times int8 activations). */
 static void share_direct(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G,
-                         const float* xg, const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
-    const int np = (N + PANEL - 1) / PANEL, ng = fmt == FMT_I4 ? K / G : 0, mb = row_block(M, K);
+                         const float* xg, const act8* xa, const float* b, float* y, int64_t ys, int M, int N, int K,
+                         int accumulate) {
+    const int np = (N + PANEL - 1) / PANEL, ng = fmt == FMT_I8 ? 0 : K / G, mb = row_block(M, K);
     const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G);
     const int tile_rows = fmt == FMT_I8 ? 6 : 4;
     for (int r0 = 0; r0 < M; r0 += mb) {
@@ -422,6 +513,10 @@ static void share_direct(int fmt, const float* x, int64_t xs, const void* wp, co
                 if (fmt == FMT_I8)
                     tile_i8(mr, x + m0 * xs, xs, (const int8_t*)w, K, sp, y + m0 * ys + n0, ys, b ? b + n0 : 0, nc,
                             accumulate, next);
+                else if (fmt == FMT_I4A8)
+                    tile_i4a8(mr, xa->q + (int64_t)m0 * K, K, xa->d + (int64_t)m0 * (K / QB), K / QB,
+                              xa->h + (int64_t)m0 * ng, ng, (const uint8_t*)w, sp, G, K, y + m0 * ys + n0, ys,
+                              b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
                 else
                     tile_i4(mr, x + m0 * xs, xs, (const uint8_t*)w, sp, G, K, xg + (int64_t)m0 * ng, ng,
                             y + m0 * ys + n0, ys, b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
@@ -473,11 +568,38 @@ static void group_sums(const float* x, int64_t xs, int M, int K, int G, float* x
         }
 }
 
+/* x's M rows quantised for FMT_I4A8 into xa's arrays (act8). The group sums of the de-quantised rows are summed
+   per fold of min(G, 32) inputs (a block's codes summed exactly in int32 lanes of 4, then times its scale), in
+   the order the tiles fold. */
+static void quant_rows(const float* x, int64_t xs, int M, int K, int G, int8_t* q, float* d, float* h) {
+    const int nb = K / QB, ng = K / G, F = G < QB ? G : QB;
+    for (int r = 0; r < M; r++) {
+        float* hr = h + (int64_t)r * ng;
+        for (int g = 0; g < ng; g++) hr[g] = 0.f;
+        for (int bk = 0; bk < nb; bk++) {
+            float* db = d + (int64_t)r * nb + bk;
+            const __m256i p = quant_block32(x + r * xs + bk * QB, db);
+            _mm256_storeu_si256((__m256i*)(q + (int64_t)r * K + bk * QB), p);
+            int32_t quads[8]; /* sums of 4 codes each */
+            _mm256_storeu_si256((__m256i*)quads, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p),
+                                                                   _mm256_set1_epi16(1)));
+            for (int f = 0; f < QB; f += F) {
+                int32_t sum = 0;
+                for (int i = f / 4; i < (f + F) / 4; i++) sum += quads[i];
+                hr[(bk * QB + f) / G] += *db * (float)sum;
+            }
+        }
+    }
+}
+
 /* Whether the arguments describe a product these kernels run: int8, or int4 with an even group size (every
-   int4 group size of kernels/quant.py is one) that divides K, and a K-block a multiple of it. */
+   int4 group size of kernels/quant.py is one) that divides K, and a K-block a multiple of it; int4 times int8
+   activations also K a multiple of 32, and groups a multiple or a divisor of 32 (then each fold is in one
+   activation block). */
 static int bad_args(int fmt, int K, int G) {
     if (fmt == FMT_I8) return 0;
-    return fmt != FMT_I4 || G <= 0 || G % 8 || K % G || KBLOCK % G;
+    if (fmt == FMT_I4A8 && (K % QB || (G > 0 && G % QB && QB % G))) return 1;
+    return (fmt != FMT_I4 && fmt != FMT_I4A8) || G <= 0 || G % 8 || K % G || KBLOCK % G;
 }
 
 /* The product for the thread team of an enclosing parallel region (decode_step.c's pattern): each thread takes
@@ -489,12 +611,28 @@ int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float*
                float* y, int64_t ys, int M, int N, int K, int accumulate) {
     if (bad_args(fmt, K, G)) return 1;
     if (M <= 0 || N <= 0 || K <= 0) return 0;
+    if (fmt == FMT_I4A8) { /* integer tiles at every M: a row's result does not depend on its batch */
+        const int64_t qbytes = (int64_t)M * K, nf = (int64_t)M * (K / QB + K / G);
+        const int64_t bytes = qbytes + nf * (int64_t)sizeof(float);
+        _Alignas(32) char stack[A8_STACK];
+        char* heap = bytes <= A8_STACK ? 0 : (char*)malloc(bytes);
+        if (bytes > A8_STACK && !heap) return 1;
+        char* buf = heap ? heap : stack;
+        int8_t* q = (int8_t*)(buf + nf * (int64_t)sizeof(float));
+        float* d = (float*)buf;
+        float* h = d + (int64_t)M * (K / QB);
+        quant_rows(x, xs, M, K, G, q, d, h);
+        const act8 xa = {q, d, h};
+        share_direct(fmt, x, xs, wp, s, G, 0, &xa, b, y, ys, M, N, K, accumulate);
+        free(heap);
+        return 0;
+    }
     if (M > widen_rows[fmt]) {
         share_widened(fmt, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
         return 0;
     }
     if (fmt == FMT_I8) {
-        share_direct(fmt, x, xs, wp, s, G, 0, b, y, ys, M, N, K, accumulate);
+        share_direct(fmt, x, xs, wp, s, G, 0, 0, b, y, ys, M, N, K, accumulate);
         return 0;
     }
     const int64_t n = (int64_t)M * (K / G);
@@ -503,7 +641,7 @@ int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float*
     if (n > XSUM_STACK && !heap) return 1;
     float* xg = heap ? heap : stack;
     group_sums(x, xs, M, K, G, xg);
-    share_direct(fmt, x, xs, wp, s, G, xg, b, y, ys, M, N, K, accumulate);
+    share_direct(fmt, x, xs, wp, s, G, xg, 0, b, y, ys, M, N, K, accumulate);
     free(heap);
     return 0;
 }

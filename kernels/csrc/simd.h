@@ -153,6 +153,27 @@ static inline float hsum8(__m256 v) {
     return _mm256_cvtss_f32(_mm256_hadd_ps(v, v));
 }
 
+/* 32 floats quantised to int8 codes in [-127, 127] with one scale (llama.cpp's Q8_0 activations): d = amax / 127
+   (float32, as the torch reference computes it), q = round(x * (1 / d)) to nearest even (cvtps under the default
+   MXCSR mode, as torch.round), an all-zero block d = 0 and q = 0. Returns the codes in order; *d the scale.
+   Shared by w8a8_gemm.c and quant_gemm.c's int8-activation tiles, so both quantise alike. */
+static inline __m256i quant_block32(const float* x, float* d) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+    const __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
+                                   _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+    const float dd = _mm256_cvtss_f32(hmax8(m)) / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
+    *d = dd;
+    const __m256 s = _mm256_set1_ps(id);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, s)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, s));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, s)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, s));
+    /* the packs interleave 128-bit lanes; the permute puts the 8 dwords of codes back in order */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    return _mm256_max_epi8(_mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+                           _mm256_set1_epi8(-127));
+}
+
 /* q . k for the 8 rows at k + roff[0..7] (D = 8 * ND values each): 8 independent FMA chains, one per row,
    summed across lanes into one vector of 8 dot products (of the codes, for int8 rows: times row_scales8). */
 ALWAYS_INLINE __m256 dot8(const float* q, const void* k, const int64_t* roff, int ND, const int kind) {

@@ -79,28 +79,11 @@ static inline void block_scale(float amax, float* d, float* id) {
 #if W8A8_ISA
 static void quant_row(const float* x, int K, int wide, char* row, float* d) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), lo = _mm256_set1_epi8(-127);
     const __m256i lo16 = _mm256_set1_epi16(-127), perm16 = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (int b = 0; b < K / QB; b++) {
         const float* xb = x + b * QB;
-        const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-        const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
-                                       _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
-        float dd, id;
-        block_scale(_mm256_cvtss_f32(hmax8(m)), &dd, &id);
-        d[b] = dd;
-        const __m256 s = _mm256_set1_ps(id);
-        /* cvtps rounds to nearest even (the default MXCSR mode), as torch.round and nearbyintf do */
-        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, s)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, s));
-        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, s)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, s));
-        const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
-        if (wide) {
-            int16_t* q = (int16_t*)row + b * QB;
-            _mm256_storeu_si256((__m256i*)q, _mm256_max_epi16(_mm256_permutevar8x32_epi32(p01, perm16), lo16));
-            _mm256_storeu_si256((__m256i*)(q + 16), _mm256_max_epi16(_mm256_permutevar8x32_epi32(p23, perm16), lo16));
-        } else {
-            const __m256i p = _mm256_max_epi8(_mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm), lo);
+        if (!wide) {
+            const __m256i p = quant_block32(xb, d + b);
             _mm256_storeu_si256((__m256i*)(row + b * QB), p);
 #if W8A8_ISA == 3
             /* the block's sum of codes (for the +128 offset), as int32 where |q| would go */
@@ -113,7 +96,23 @@ static void quant_row(const float* x, int K, int wide, char* row, float* d) {
 #else
             _mm256_storeu_si256((__m256i*)(row + K + b * QB), _mm256_abs_epi8(p));
 #endif
+            continue;
         }
+        const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
+                                       _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+        float dd, id;
+        block_scale(_mm256_cvtss_f32(hmax8(m)), &dd, &id);
+        d[b] = dd;
+        const __m256 s = _mm256_set1_ps(id);
+        /* cvtps rounds to nearest even (the default MXCSR mode), as torch.round and nearbyintf do */
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, s)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, s));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, s)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, s));
+        const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+        int16_t* q = (int16_t*)row + b * QB;
+        _mm256_storeu_si256((__m256i*)q, _mm256_max_epi16(_mm256_permutevar8x32_epi32(p01, perm16), lo16));
+        _mm256_storeu_si256((__m256i*)(q + 16), _mm256_max_epi16(_mm256_permutevar8x32_epi32(p23, perm16), lo16));
     }
 }
 #else

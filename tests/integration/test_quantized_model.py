@@ -36,7 +36,7 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("quantization", "max_kl"), [("int8", 1e-3), ("w8a16", 1e-3), ("w8a8", 2e-2),
-                                                      ("int4", 5e-2)])
+                                                      ("int4", 5e-2), ("w4a8", 5e-2)])
 def test_quantised_logits_stay_close_to_float32(tiny_model, quantization, max_kl):
     prompt = [(7 * i + 3) % 300 + 3 for i in range(21)]
     ref = _last_logits(tiny_model, prompt)
@@ -60,7 +60,7 @@ def test_w8a16_keeps_float_activations_and_int8_may_take_blocks(tiny_model):
         assert not {"w8a8", "w8a8w"} & set(model.lm_head.forms)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w4a8"])
 def test_quantised_engine_runs_prefill_chunks_and_decode(tiny_model, quantization):
     eng = LLMEngine(Settings(model=str(tiny_model), device="cpu", dtype="float32", block_size=4,
                              kv_cache_memory="256KiB", max_batched_tokens=8, torch_threads=1,
@@ -73,6 +73,25 @@ def test_quantised_engine_runs_prefill_chunks_and_decode(tiny_model, quantizatio
     assert all(len(o.token_ids) == 6 for o in outs)
     assert eng.runner.weight_bytes < ModelRunner(tiny_model, device="cpu", dtype="float32",
                                                  kv_cache_bytes=1 << 20).weight_bytes
+
+
+def test_w4a8_quantises_the_layers_activations_but_not_the_heads(tiny_model):
+    """w4a8: every layer product int4 times int8 activation blocks (in our panels where they build, else torch's
+    forms on the de-quantised blocks), the LM head int8 with float activations; the logits differ from int4's
+    (the activations really are quantised) but stay as close to float32."""
+    runner = ModelRunner(tiny_model, device="cpu", dtype="float32", kv_cache_bytes=1 << 20, quantization="w4a8")
+    for layer in runner.model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, name)
+            assert lin.weight.fmt == "int4" and lin.act8
+            assert lin.panels is None or lin.panels.act8
+    head = runner.model.lm_head
+    assert head.weight.fmt == "int8" and not head.act8
+    prompt = [(5 * i + 2) % 300 + 3 for i in range(19)]
+    a8, i4 = (_last_logits(tiny_model, prompt, quantization=qz) for qz in ("w4a8", "int4"))
+    assert not torch.equal(a8, i4)
+    ref = _last_logits(tiny_model, prompt)
+    assert _kl(ref, a8) < 2 * _kl(ref, i4) + 1e-3
 
 
 def test_a_width_that_is_no_whole_number_of_groups_is_a_clear_error(tmp_path):

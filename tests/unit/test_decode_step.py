@@ -318,14 +318,15 @@ def _panels_planned(monkeypatch) -> None:
     from kernels import quant_gemm
 
     monkeypatch.setattr(quant_gemm, "_plans", {})
-    monkeypatch.setattr(quant_gemm, "_measure", lambda q, forms: ("panels",) * (len(cpu_gemm.BUCKET_LIMITS) + 1))
+    monkeypatch.setattr(quant_gemm, "_measure",
+                        lambda q, forms, act8=False: ("panels",) * (len(cpu_gemm.BUCKET_LIMITS) + 1))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "w4a8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantised_panels_are_bit_identical(tiny_dirs, fmt, arch, monkeypatch):
-    """int8 and int4 weights in their panels (kernels/quant_panels.py): the fused step runs the team form of
-    the same kernel, for decodes and for a mixed step."""
+    """int8 and int4 weights in their panels (kernels/quant_panels.py), int4 also times int8 activations: the
+    fused step runs the team form of the same kernel, for decodes and for a mixed step."""
     from kernels import quant_panels
 
     if not quant_panels.available():
@@ -333,6 +334,8 @@ def test_quantised_panels_are_bit_identical(tiny_dirs, fmt, arch, monkeypatch):
     _panels_planned(monkeypatch)
     runner = ModelRunner(tiny_dirs[arch], block_size=BLOCK, device="cpu", kv_cache_bytes=1 << 20, quantization=fmt)
     assert all(getattr(layer, name).forms[0] == "panels" for layer in runner.model.layers
+               for name in ("qkv", "o", "gate_up", "down"))
+    assert all(getattr(layer, name).panels.act8 == (fmt == "w4a8") for layer in runner.model.layers
                for name in ("qkv", "o", "gate_up", "down"))
     model = runner.model
     got = {}

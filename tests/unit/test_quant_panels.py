@@ -1,7 +1,9 @@
 """kernels/quant_panels.py (csrc/quant_gemm.c): int8 and int4 panels against the de-quantised weight in float64,
 at decode and prefill row counts, odd output widths, several groups (all-zero ones and outliers among them),
 bias and accumulation, for the AVX2 build and the default one; qgemm_team outside a parallel region equals
-qgemm; and the planner's "panels" form inside QuantLinear."""
+qgemm; and the planner's "panels" form inside QuantLinear. int4 panels times int8 activations (w4a8) against the
+de-quantised weight times the de-quantised activation blocks (w8a8_panels.reference_quantize), and each row's
+result independent of the rows beside it (integer sums, the same folds at every M)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from kernels import quant, quant_gemm, quant_panels
+from kernels import quant, quant_gemm, quant_panels, w8a8_panels
 
 pytestmark = pytest.mark.skipif(not quant_panels.available(), reason="no AVX2+FMA CPU or no C compiler")
 
@@ -137,7 +139,11 @@ def test_bad_arguments_are_refused():
     args = (x.data_ptr(), 96, codes.data_ptr(), scales.data_ptr())
     assert lib.qgemm(1, *args, 48, None, y.data_ptr(), 16, 1, 16, 96, 0) == 1  # 48 does not divide the K-block
     assert lib.qgemm(1, *args, 64, None, y.data_ptr(), 16, 1, 16, 96, 0) == 1  # 64 does not divide K
-    assert lib.qgemm(2, *args, 32, None, y.data_ptr(), 16, 1, 16, 96, 0) == 1  # no such format
+    assert lib.qgemm(3, *args, 32, None, y.data_ptr(), 16, 1, 16, 96, 0) == 1  # no such format
+    x80 = torch.zeros(1, 80)  # int8 activations in blocks of 32: K = 80 is not whole blocks
+    assert lib.qgemm(2, x80.data_ptr(), 80, codes.data_ptr(), scales.data_ptr(), 16, None, y.data_ptr(), 16, 1,
+                     16, 80, 0) == 1
+    assert lib.qgemm(2, *args, 32, None, y.data_ptr(), 16, 1, 16, 96, 0) == 0
     assert lib.qgemm(1, *args, 32, None, y.data_ptr(), 16, 1, 16, 96, 0) == 0
 
 
@@ -173,3 +179,71 @@ def test_planner_times_the_panels_and_keeps_one_copy_when_they_serve_every_bucke
     assert (lin.panels is not None) == ("panels" in lin.forms)
     if set(lin.forms) == {"panels"}:
         assert not lin.weight.codes.numel() and "packed" not in lin._state
+
+
+def _act8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel multiplies it: each block of 32 quantised to int8 and back (float64)."""
+    q, d = w8a8_panels.reference_quantize(x)
+    m, k = x.shape
+    return (q.double().view(m, k // 32, 32) * d.double().view(m, k // 32, 1)).view(m, k)
+
+
+A8_CASES = [c for c in CASES if c[0] == "int4" and c[3] % 32 == 0]
+
+
+@pytest.mark.parametrize("variant", ["avx2", "default"])
+@pytest.mark.parametrize(("fmt", "group", "n", "k"), A8_CASES)
+def test_int4_panels_times_int8_activations(variant, fmt, group, n, k):
+    """The integer tiles equal the de-quantised weight times the de-quantised activation blocks to float32
+    rounding, with bias and accumulation, at every row count; a row's result is the same bit for bit whichever
+    rows share its call (so a request's tokens do not depend on its batch); and the activations really are
+    quantised (the float-activation panels differ)."""
+    lib = _lib(variant)
+    q = _quantized(fmt, group, n, k)
+    p = quant_panels.with_int8_activations(quant_panels.pack(q))
+    assert p.code == 2 and p.codes.data_ptr() == p.codes.data_ptr()
+    w = q.dequantize()
+    gen = torch.Generator().manual_seed(k + 1)
+    bias = torch.randn(n, generator=gen)
+    alone = {}
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        x[0, :7] *= 1e3  # an activation outlier: coarsens its own block only
+        if m > 1:
+            x[1, 32:64] = 0.0  # an all-zero block (scale 0)
+        xh = _act8_reference(x)
+        ref = xh @ w.double().t()
+        got = quant_panels.matmul(x, p, lib=lib)
+        _check(got, ref, xh, w)
+        _check(quant_panels.matmul(x, p, bias, lib=lib), ref + bias.double(), xh, w, bias)
+        out = torch.randn(m, n, generator=gen)
+        want, added = ref + bias.double() + out.double(), bias.double().abs() + out.double().abs()
+        assert quant_panels.matmul(x, p, bias, out=out, lib=lib) is out
+        _check(out, want, xh, w, added)
+        for r in {0, m - 1}:
+            one = quant_panels.matmul(x[r : r + 1].contiguous(), p, lib=lib)
+            assert torch.equal(one[0], got[r]), (m, r)
+        alone[m] = (x, got)
+        if m == 1:
+            assert not torch.equal(got, quant_panels.matmul(x, quant_panels.pack(q), lib=lib))
+    # team call outside a parallel region, and a strided x, equal qgemm's
+    x, got = alone[16]
+    assert torch.equal(quant_panels.matmul(x, p, team=True, lib=lib), got)
+    wide = torch.zeros(16, k + 40)
+    wide[:, 8 : 8 + k] = x
+    assert torch.equal(quant_panels.matmul(wide[:, 8 : 8 + k], p, lib=lib), got)
+
+
+def test_int8_activations_need_whole_blocks_of_32():
+    q = _quantized("int4", 32, 20, 96)
+    assert quant_panels.supports_act8(96, 32) and not quant_panels.supports_act8(80, 16 * 5)
+    with pytest.raises(AssertionError):
+        quant_panels.with_int8_activations(quant_panels.pack(_quantized("int8", 0, 20, 96)))
+    lin = quant_gemm.QuantLinear(q, None, ("panels",) * 4, act8=True)
+    assert lin.panels is not None and lin.panels.act8
+    x = torch.randn(3, 96)
+    assert torch.equal(lin(x), quant_panels.matmul(x, lin.panels))
+    # a torch form under act8 multiplies the de-quantised blocks: close to the panels' integer product
+    torch_form = quant_gemm.QuantLinear(q, None, ("w4dq",) * 4, act8=True)
+    ref = _act8_reference(x) @ q.dequantize().double().t()
+    assert float((torch_form(x).double() - ref).norm() / ref.norm()) < 1e-2  # bfloat16 inside w4dq
