@@ -1,6 +1,6 @@
 """``python -m bench quality``: what quantisation costs in quality, measured against float32 on the same weights.
 
-For each variant (float32 is the reference; bfloat16, int8, int4 at group sizes 32 and 64, the default model's
+For each variant (float32 is the reference; bfloat16, int8, int4 at group sizes 32 and 64, w4a8, the default model's
 own GGUF blocks via ``auto``, and the KV-cache dtypes where they differ) on a fixed real English text:
 
 - perplexity over non-overlapping windows of the license texts under /usr/share/common-licenses (every Debian
@@ -37,12 +37,13 @@ VARIANTS: dict[str, dict] = {
     "w8a8": {"dtype": "float32", "quantization": "w8a8"},
     "int4-g32": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32},
     "int4-g64": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 64},
+    "w4a8": {"dtype": "float32", "quantization": "w4a8"},
     "gguf-auto": {"dtype": "float32", "quantization": "auto"},
     "kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},
 }
-TARGETS = {"int8": 0.01, "int4-g32": 0.06, "int4-g64": 0.06, "kv-int8": 0.01}  # relative perplexity increase allowed
+TARGETS = {"int8": 0.01, "int4-g32": 0.06, "int4-g64": 0.06, "w4a8": 0.06, "kv-int8": 0.01}  # relative perplexity increase allowed
 PROMPTS = (
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
     "Give me three tips for learning a new language.", "What is 12 times 7?", "Summarise the plot of Hamlet.",

@@ -18,6 +18,9 @@
    two FMAs per row and group; the group sums of x are computed once per call (per thread, since qgemm_team may
    not synchronise), not per panel.
 
+   int4 panels can also be multiplied with int8 activations (FMT_I4A8, block4a8: x quantised in blocks of 32 as
+   llama.cpp's Q8_0, integer dot products), by the same direct tiles at every M.
+
    Larger M (prefill), int4: a K-block of each panel is widened once into a float32 scratch tile (KBLOCK x 16,
    L1 resident, as q * s + o) and every row tile of the row block reuses it with the float micro-kernel (6 x 16,
    packed_gemm's), so one layout serves every M and the unpacking is amortised over the rows. int8 stays on the
