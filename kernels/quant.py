@@ -78,7 +78,8 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
     """Asymmetric group-wise int4 (min/max per group of ``group_size`` inputs): 16 levels span each group's
-    range, so both its extremes are exact up to rounding of the scale. An input width that is not a whole
+    range (on a float16 grid where it fits, :func:`_half_grid`), so every weight, the extremes included, is
+    within half a step of a level. An input width that is not a whole
     number of groups is an error (every Llama-family width is a multiple of 32)."""
     n, k = w.shape
     if group_size not in INT4_GROUP_SIZES:
@@ -89,10 +90,27 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale = (hi - lo) / 15.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any scale, codes 0
+    scale, lo = _half_grid(lo, hi, scale)
     codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
     zero = lo + 8.0 * scale
     return QuantizedWeight("int4", codes.reshape(n, k).contiguous(), scale.contiguous(), zero.contiguous(),
                            group_size)
+
+
+def _half_grid(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups' grids (scale, minimum) in float16 values where every scale stays a normal float16, as GGUF's
+    blocks store theirs: the panels then keep them in half the bytes (kernels/quant_panels.py). The minimum is
+    rounded down and the scale up, so the 16 levels still span the group's range and every weight stays within
+    half a step of one; otherwise (a scale under 2^-14) the float32 grid, unchanged."""
+    down = torch.full_like(lo, float("-inf")).half()
+    lo16 = lo.half()
+    lo16 = torch.where(lo16.float() > lo, torch.nextafter(lo16, down), lo16).float()
+    s16 = ((hi - lo16) / 15.0).half()
+    s16 = torch.where(lo16 + 15.0 * s16.float() < hi, torch.nextafter(s16, -down), s16).float()
+    s16 = torch.where(hi > lo, s16, torch.ones_like(s16))  # a constant group: any scale, codes 0
+    if bool((s16 >= 2.0**-14).all() and torch.isfinite(s16).all() and torch.isfinite(lo16).all()):
+        return s16, lo16
+    return scale, lo
 
 
 def dequantize(q: QuantizedWeight) -> torch.Tensor:

@@ -8,7 +8,8 @@ streams the codes front to back once and widens them in registers. Layouts (the 
 - int8: codes ``[ceil(N/16), K, 16]`` int8 and the per-channel scales ``[Npad]`` float32;
 - int4: codes ``[ceil(N/16), K/2, 16]`` uint8 (the byte of column c for k pair j: k = 2j in the low nibble,
   2j + 1 in the high one) and ``sz [ceil(N/16), K/G, 2, 16]`` float32: per group its 16 scales, then its 16
-  offsets ``zero - 8 scale`` (so ``w = q * scale + offset``).
+  offsets ``zero - 8 scale`` (so ``w = q * scale + offset``); float16 where every value converts exactly
+  (the same weight in 5/6 of the bytes at group 32).
 
 Which of this and torch's forms is faster per shape and M is measured at load by :mod:`kernels.quant_gemm`.
 """
@@ -65,7 +66,8 @@ def available() -> bool:
 @dataclass(frozen=True)
 class Panels:
     """A quantised ``[n, k]`` weight in panels. ``codes``: int8 ``[np, k, 16]`` or uint8 ``[np, k/2, 16]``;
-    ``scales``: float32 ``[np * 16]`` (int8) or ``[np, k/group, 2, 16]`` (int4: scales, then offsets)."""
+    ``scales``: float32 ``[np * 16]`` (int8) or ``[np, k/group, 2, 16]`` (int4: scales, then offsets; float16
+    where every one converts exactly, see :func:`pack`)."""
 
     fmt: str
     n: int
@@ -77,12 +79,13 @@ class Panels:
 
     @property
     def code(self) -> int:
-        """The kernel's format number: 0 int8, 1 int4, 2 int4 times int8 activations."""
-        return 2 if self.act8 else FMT[self.fmt]
+        """The kernel's format number: 0 int8, 1 int4, 2 int4 times int8 activations; an int4 one plus 4 where
+        its scales are float16."""
+        return (2 if self.act8 else FMT[self.fmt]) + (4 if self.scales.dtype == torch.float16 else 0)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the de-quantised int8 weight (float32), bit for bit ``QuantizedWeight``'s."""
@@ -119,9 +122,24 @@ def pack(q: QuantizedWeight, huge: bool = False) -> Panels:
     c = _panel_major(q.codes, np_).reshape(np_, k // 2, 2, PANEL)
     packed = c[:, :, 0] | (c[:, :, 1] << 4)
     # the offset zero - 8 scale in float64, rounded once
-    offset = (q.zero.double() - 8.0 * q.scale.double()).float()
-    sz = torch.stack((_panel_major(q.scale, np_), _panel_major(offset, np_)), dim=2).contiguous()
+    offset64 = q.zero.double() - 8.0 * q.scale.double()
+    sz = torch.stack((_panel_major(q.scale, np_), _panel_major(offset64.float(), np_)), dim=2).contiguous()
+    if _fits_half(q.scale, offset64, q.zero):
+        sz = sz.half()
     return Panels("int4", n, k, q.group_size, _alloc(tuple(packed.shape), torch.uint8, huge).copy_(packed), sz)
+
+
+def _fits_half(scale: torch.Tensor, offset: torch.Tensor, zero: torch.Tensor) -> bool:
+    """Whether an int4 weight's scales and offsets go to float16 without changing the weight beyond float32's
+    own rounding: every scale exactly, every offset within two float32 ulps of the terms it is computed from
+    (``zero = offset + 8 scale`` rounds once in float32). True for GGUF's Q4_0 / Q4_1 blocks (float16 ``d`` and
+    ``m``) and kernels/quant.py's quantiser; not for GPTQ's ``zero * scale`` offsets, which keep float32. Why:
+    a third of an int4 g32 panel's bytes are float32 scales and offsets, and a memory-bound decode step reads
+    every one."""
+    if not torch.equal(scale.half().float(), scale):
+        return False
+    err = (offset.half().double() - offset).abs()
+    return bool((err <= 2.0**-22 * (zero.double().abs() + 8.0 * scale.double().abs())).all())
 
 
 def with_int8_activations(panels: Panels) -> Panels:

@@ -60,7 +60,7 @@ int step_phases(double* out, int threads) {
 /* the ops it chains, from their own sources in this library */
 void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys, int M,
                int N, int K, int accumulate);
-int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G, const float* b, float* y,
+int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const void* s, int G, const float* b, float* y,
                int64_t ys, int M, int N, int K, int accumulate);
 int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
@@ -76,11 +76,12 @@ void silu_mul_to_f32(const float* gu, int64_t rs, float* out, int64_t os, int T,
 /* One projection's weight in panels of 16 output columns: float32 or bfloat16 ([ceil(N/16), K, 16],
    kernels/packed_gemm.py), or int8 / int4 codes with their scales (kernels/quant_panels.py); int4's multiplied
    with float or with int8 activations (qgemm_team's format is the kind less W_I8). */
+/* int4 kinds may have 4 added (float16 scales: quant_gemm.c's FMT_HALF) */
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3, W_I4A8 = 4 /* int4 times int8 activations */ };
 typedef struct {
     const void* w;
     const float* bias;   /* or NULL */
-    const float* scales; /* int8: per column; int4: per group, scales then offsets; else NULL */
+    const void* scales; /* int8: per column; int4: per group, scales then offsets (float32 or 16); else NULL */
     int kind;            /* W_F32 .. W_I4A8 */
     int group;           /* int4 group size */
 } step_proj;

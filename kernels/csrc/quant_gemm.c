@@ -3,7 +3,8 @@
 
      int8  codes [ceil(N/16), K, 16] int8 (k's 16 codes adjacent) + scale [Npad] float32 (w = q * scale[col]).
      int4  codes [ceil(N/16), K/2, 16] bytes: the byte of column c for k pair j holds k = 2j in its low nibble and
-           k = 2j + 1 in its high one; + sz [ceil(N/16), K/G, 2, 16] float32: for each group g of G inputs, the
+           k = 2j + 1 in its high one; + sz [ceil(N/16), K/G, 2, 16] float32 (or float16, FMT_HALF, where every
+           value converts exactly: GGUF's Q4_0/Q4_1 blocks and our quantiser's): for each group g of G inputs, the
            16 columns' scales s, then their offsets o = zero - 8 s, so w = q * s + o and one group's scales (or
            offsets) are two vector loads next to the codes' stream.
 
@@ -48,6 +49,7 @@
 #define FMT_I8 0
 #define FMT_I4 1
 #define FMT_I4A8 2 /* int4 panels times int8 activations (block4a8) */
+#define FMT_HALF 4 /* or'd into an int4 format: the panel's scales and offsets are float16 (load_sz) */
 #define QB 32      /* inputs per int8 activation block */
 #define KIND_F32 0 /* the widened scratch tile */
 #define KIND_I8 1
@@ -177,16 +179,25 @@ ALWAYS_INLINE void load_pair(const uint8_t* w, int64_t j, __m256* lo0, __m256* l
     *hi1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
 }
 
-/* The next panel's scales and offsets of group g (a panel has ng groups): two lines. */
-ALWAYS_INLINE void prefetch_group(const float* sz, int ng, int g) {
-    _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL), _MM_HINT_T0);
-    _mm_prefetch((const char*)(sz + (int64_t)(ng + g) * 2 * PANEL) + 64, _MM_HINT_T0);
+/* 8 of a panel's scales or offsets from element i of its sz: float32, or (H) float16 widened exactly by F16C.
+   float16 halves what the scales add to the codes' stream (a third of an int4 g32 panel's bytes in float32);
+   kernels/quant_panels.py packs it only where every value converts exactly. */
+ALWAYS_INLINE __m256 load_sz(const int H, const void* sz, int64_t i) {
+    return H ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)sz + i)))
+             : _mm256_loadu_ps((const float*)sz + i);
+}
+
+/* The next panel's scales and offsets of group g (a panel has ng groups): two lines (float16: one). */
+ALWAYS_INLINE void prefetch_group(const int H, const void* sz, int ng, int g) {
+    const char* p = (const char*)sz + (int64_t)(ng + g) * 2 * PANEL * (H ? 2 : 4);
+    _mm_prefetch(p, _MM_HINT_T0);
+    if (!H) _mm_prefetch(p + 64, _MM_HINT_T0);
 }
 
 /* One MR x 16 tile (MR <= 4) of an int4 panel: per group, sum x_k q_k in NS accumulator sets (4 for one row,
    two pairs per step; 2 for two rows: low and high nibbles; 1 above, 16 ymm registers), then fold the group
    into the totals with its scales and offsets and the group sums of x (xg: row stride ng). */
-ALWAYS_INLINE void block4(const int MR, const float* x, int64_t xs, const uint8_t* w, const float* sz, int G, int K,
+ALWAYS_INLINE void block4(const int MR, const int H, const float* x, int64_t xs, const uint8_t* w, const void* sz, int G, int K,
                           const float* xg, int ng, float* y, int64_t ys, const float* b, int nc, int accumulate,
                           const uint8_t* prefetch) {
     const int NS = MR == 1 ? 4 : MR == 2 ? 2 : 1, P = NS == 4 ? 2 : 1; /* sets, pairs per step */
@@ -196,7 +207,7 @@ ALWAYS_INLINE void block4(const int MR, const float* x, int64_t xs, const uint8_
     for (int g = 0; g < K / G; g++) {
         _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) c[s][r][0] = c[s][r][1] = _mm256_setzero_ps();
-        if (prefetch) prefetch_group(sz, ng, g);
+        if (prefetch) prefetch_group(H, sz, ng, g);
         for (int j0 = g * GP; j0 < (g + 1) * GP; j0 += P) {
             _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                 const int j = j0 + p;
@@ -219,9 +230,9 @@ ALWAYS_INLINE void block4(const int MR, const float* x, int64_t xs, const uint8_
                 c[0][r][0] = _mm256_add_ps(c[0][r][0], c[s][r][0]);
                 c[0][r][1] = _mm256_add_ps(c[0][r][1], c[s][r][1]);
             }
-        const float* gs = sz + (int64_t)g * 2 * PANEL;
-        const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
-        const __m256 o0 = _mm256_loadu_ps(gs + 16), o1 = _mm256_loadu_ps(gs + 24);
+        const int64_t gs = (int64_t)g * 2 * PANEL;
+        const __m256 s0 = load_sz(H, sz, gs), s1 = load_sz(H, sz, gs + 8);
+        const __m256 o0 = load_sz(H, sz, gs + 16), o1 = load_sz(H, sz, gs + 24);
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
             const __m256 xs_g = _mm256_broadcast_ss(xg + r * ng + g);
             t[r][0] = _mm256_fmadd_ps(o0, xs_g, _mm256_fmadd_ps(s0, c[0][r][0], t[r][0]));
@@ -248,8 +259,8 @@ ALWAYS_INLINE void block4(const int MR, const float* x, int64_t xs, const uint8_
    offsets' term is o_g times the group's sum of the de-quantised activations (xh), once per group:
      y = sum_g [ s_g sum_{b in g} d_b sum_{k in b} q_k c_k + o_g sum_{k in g} d_b(k) q_k ].
    The same code runs in AVX-512 builds (no 512-bit variant yet), so every build gives equal results. */
-ALWAYS_INLINE void block4a8(const int MR, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
-                            const float* xh, int ng, const uint8_t* w, const float* sz, int G, int K, float* y,
+ALWAYS_INLINE void block4a8(const int MR, const int H, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
+                            const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K, float* y,
                             int64_t ys, const float* b, int nc, int accumulate, const uint8_t* prefetch) {
     const int F = G < QB ? G : QB;
     const __m256i nib = _mm256_set1_epi8(15);
@@ -259,7 +270,7 @@ ALWAYS_INLINE void block4a8(const int MR, const int8_t* xq, int64_t xqs, const f
     _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
     for (int k0 = 0; k0 < K; k0 += F) {
         const int g = k0 / G;
-        if (prefetch && k0 % G == 0) prefetch_group(sz, ng, g);
+        if (prefetch && k0 % G == 0) prefetch_group(H, sz, ng, g);
         __m256i a[4][2];
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
         for (int k = k0; k < k0 + F; k += 4) {
@@ -276,8 +287,8 @@ ALWAYS_INLINE void block4a8(const int MR, const int8_t* xq, int64_t xqs, const f
                 a[r][1] = _mm256_add_epi16(a[r][1], _mm256_maddubs_epi16(Q, xa));
             }
         }
-        const float* gs = sz + (int64_t)g * 2 * PANEL;
-        const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+        const int64_t gs = (int64_t)g * 2 * PANEL;
+        const __m256 s0 = load_sz(H, sz, gs), s1 = load_sz(H, sz, gs + 8);
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
             const __m256 d = _mm256_broadcast_ss(xd + r * xds + k0 / QB);
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
@@ -287,7 +298,7 @@ ALWAYS_INLINE void block4a8(const int MR, const int8_t* xq, int64_t xqs, const f
             }
         }
         if ((k0 + F) % G == 0) {
-            const __m256 o0 = _mm256_loadu_ps(gs + 16), o1 = _mm256_loadu_ps(gs + 24);
+            const __m256 o0 = load_sz(H, sz, gs + 16), o1 = load_sz(H, sz, gs + 24);
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
                 const __m256 xs_g = _mm256_broadcast_ss(xh + r * ng + g);
                 t[r][0] = _mm256_fmadd_ps(o0, xs_g, t[r][0]);
@@ -347,7 +358,7 @@ ALWAYS_INLINE void block_i8_512(const int MR, const float* x, int64_t xs, const 
 /* block4()'s int4 tile. A pair row's 16 bytes zero-extended to 16 lanes; the low nibble as a float is one
    permute (vpermps reads the low 4 bits of each index lane: a table of 0..15 gives the code exactly, with no
    mask or conversion), the high one a shift and a conversion, so the two ports of 512-bit work share them. */
-ALWAYS_INLINE void block4_512(const int MR, const float* x, int64_t xs, const uint8_t* w, const float* sz, int G,
+ALWAYS_INLINE void block4_512(const int MR, const int H, const float* x, int64_t xs, const uint8_t* w, const void* sz, int G,
                               int K, const float* xg, int ng, float* y, int64_t ys, const float* b, int nc,
                               int accumulate, const uint8_t* prefetch) {
     const int NS = MR == 1 ? 4 : MR == 2 ? 2 : 1, P = NS == 4 ? 2 : 1;
@@ -360,7 +371,7 @@ ALWAYS_INLINE void block4_512(const int MR, const float* x, int64_t xs, const ui
     for (int g = 0; g < K / G; g++) {
         _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) c[s][r] = _mm512_setzero_ps();
-        if (prefetch) prefetch_group(sz, ng, g);
+        if (prefetch) prefetch_group(H, sz, ng, g);
         for (int j0 = g * GP; j0 < (g + 1) * GP; j0 += P) {
             _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                 const int j = j0 + p;
@@ -377,8 +388,11 @@ ALWAYS_INLINE void block4_512(const int MR, const float* x, int64_t xs, const ui
         }
         _Pragma("GCC unroll 4") for (int s = 1; s < NS; s++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) c[0][r] = _mm512_add_ps(c[0][r], c[s][r]);
-        const float* gs = sz + (int64_t)g * 2 * PANEL;
-        const __m512 sc = _mm512_loadu_ps(gs), of = _mm512_loadu_ps(gs + 16);
+        const int64_t gs = (int64_t)g * 2 * PANEL;
+        const __m512 sc = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs)))
+                            : _mm512_loadu_ps((const float*)sz + gs);
+        const __m512 of = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs + 16)))
+                            : _mm512_loadu_ps((const float*)sz + gs + 16);
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)
             t[r] = _mm512_fmadd_ps(of, _mm512_set1_ps(xg[r * ng + g]), _mm512_fmadd_ps(sc, c[0][r], t[r]));
     }
@@ -417,34 +431,40 @@ static void tile_i8(int mr, const float* x, int64_t xs, const int8_t* w, int K, 
     }
 }
 
-static void tile_i4(int mr, const float* x, int64_t xs, const uint8_t* w, const float* sz, int G, int K,
+/* int4 tiles: one case per row count and scale width (H: float16), each a specialised instance */
+#define I4_ROWS(BLOCK, H, ...)                              \
+    switch (mr) {                                          \
+        case 1: BLOCK(1, H, __VA_ARGS__); break;           \
+        case 2: BLOCK(2, H, __VA_ARGS__); break;           \
+        case 3: BLOCK(3, H, __VA_ARGS__); break;           \
+        default: BLOCK(4, H, __VA_ARGS__); break;          \
+    }
+
+static void tile_i4(int mr, int half, const float* x, int64_t xs, const uint8_t* w, const void* sz, int G, int K,
                     const float* xg, int ng, float* y, int64_t ys, const float* b, int nc, int acc,
                     const uint8_t* pf) {
-    switch (mr) {
-        case 1: BLOCK_I4(1, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
-        case 2: BLOCK_I4(2, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
-        case 3: BLOCK_I4(3, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
-        default: BLOCK_I4(4, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf); break;
-    }
+    if (half)
+        I4_ROWS(BLOCK_I4, 1, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf)
+    else
+        I4_ROWS(BLOCK_I4, 0, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf)
 }
 
-static void tile_i4a8(int mr, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds, const float* xh, int ng,
-                      const uint8_t* w, const float* sz, int G, int K, float* y, int64_t ys, const float* b, int nc,
-                      int acc, const uint8_t* pf) {
-    switch (mr) {
-        case 1: block4a8(1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
-        case 2: block4a8(2, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
-        case 3: block4a8(3, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
-        default: block4a8(4, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf); break;
-    }
+static void tile_i4a8(int mr, int half, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
+                      const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K, float* y, int64_t ys,
+                      const float* b, int nc, int acc, const uint8_t* pf) {
+    if (half)
+        I4_ROWS(block4a8, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+    else
+        I4_ROWS(block4a8, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
 }
 
 /* Panel p's rows k0 .. k0 + kn widened to float32 weights in dst [kn, 16]; the same rows of the next panel
    (pf, its codes) prefetched. */
-static void widen(int fmt, const void* codes, const float* s, int G, int K, int k0, int kn, float* dst,
+static void widen(int fmt, int half, const void* codes, const void* sv, int G, int K, int k0, int kn, float* dst,
                   const char* pf) {
     if (fmt == FMT_I8) {
         const int8_t* w = (const int8_t*)codes;
+        const float* s = (const float*)sv;
         const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
         for (int k = 0; k < kn; k++) {
             if (pf && !(k & 3)) _mm_prefetch(pf + (int64_t)(k0 + k) * PANEL, _MM_HINT_T0);
@@ -459,9 +479,11 @@ static void widen(int fmt, const void* codes, const float* s, int G, int K, int 
     const uint8_t* w = (const uint8_t*)codes;
     for (int j = k0 / 2; j < (k0 + kn) / 2; j++) {
         if (pf && !(j & 3)) _mm_prefetch(pf + (int64_t)j * PANEL, _MM_HINT_T0);
-        const float* gs = s + (int64_t)(2 * j / G) * 2 * PANEL;
-        const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
-        const __m256 o0 = _mm256_loadu_ps(gs + 16), o1 = _mm256_loadu_ps(gs + 24);
+        const int64_t gs = (int64_t)(2 * j / G) * 2 * PANEL;
+        const __m256 s0 = half ? load_sz(1, sv, gs) : load_sz(0, sv, gs);
+        const __m256 s1 = half ? load_sz(1, sv, gs + 8) : load_sz(0, sv, gs + 8);
+        const __m256 o0 = half ? load_sz(1, sv, gs + 16) : load_sz(0, sv, gs + 16);
+        const __m256 o1 = half ? load_sz(1, sv, gs + 24) : load_sz(0, sv, gs + 24);
         __m256 lo0, lo1, hi0, hi1;
         load_pair(w, j, &lo0, &lo1, &hi0, &hi1);
         float* d = dst + (int64_t)(2 * j - k0) * PANEL;
@@ -472,7 +494,8 @@ static void widen(int fmt, const void* codes, const float* s, int G, int K, int 
     }
 }
 
-/* Bytes of one panel's codes, and floats of its scales (int8: 16; int4: its K/G groups' scales and offsets). */
+/* Bytes of one panel's codes, and elements of its scales (int8: 16; int4: its K/G groups' scales and offsets,
+   float32 or float16). */
 static int64_t panel_code_bytes(int fmt, int K) { return fmt == FMT_I8 ? (int64_t)K * PANEL : (int64_t)K / 2 * PANEL; }
 static int64_t panel_scale_floats(int fmt, int K, int G) { return fmt == FMT_I8 ? PANEL : (int64_t)K / G * 2 * PANEL; }
 
@@ -495,11 +518,11 @@ typedef struct {
 /* Codes widened in registers by every row tile: near-equal tiles of at most 6 (int8) or 4 (int4) rows; the
    first tile of a panel prefetches the next. xg: the rows' group sums of x (int4); xa: the rows quantised
    (int4 times int8 activations). */
-static void share_direct(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G,
+static void share_direct(int fmt, int half, const float* x, int64_t xs, const void* wp, const void* s, int G,
                          const float* xg, const act8* xa, const float* b, float* y, int64_t ys, int M, int N, int K,
                          int accumulate) {
     const int np = (N + PANEL - 1) / PANEL, ng = fmt == FMT_I8 ? 0 : K / G, mb = row_block(M, K);
-    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G);
+    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G) * (half ? 2 : 4);
     const int tile_rows = fmt == FMT_I8 ? 6 : 4;
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + tile_rows - 1) / tile_rows;
@@ -507,21 +530,21 @@ static void share_direct(int fmt, const float* x, int64_t xs, const void* wp, co
         #pragma omp for schedule(static) nowait
         for (int p = 0; p < np; p++) {
             const char* w = (const char*)wp + (int64_t)p * pb;
-            const float* sp = s + (int64_t)p * ps;
+            const void* sp = (const char*)s + (int64_t)p * ps;
             const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
             int m0 = r0;
             for (int t = 0; t < tiles; t++) {
                 const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
                 const char* next = (t == 0 && p + 1 < np) ? w + pb : 0;
                 if (fmt == FMT_I8)
-                    tile_i8(mr, x + m0 * xs, xs, (const int8_t*)w, K, sp, y + m0 * ys + n0, ys, b ? b + n0 : 0, nc,
+                    tile_i8(mr, x + m0 * xs, xs, (const int8_t*)w, K, (const float*)sp, y + m0 * ys + n0, ys, b ? b + n0 : 0, nc,
                             accumulate, next);
                 else if (fmt == FMT_I4A8)
-                    tile_i4a8(mr, xa->q + (int64_t)m0 * K, K, xa->d + (int64_t)m0 * (K / QB), K / QB,
+                    tile_i4a8(mr, half, xa->q + (int64_t)m0 * K, K, xa->d + (int64_t)m0 * (K / QB), K / QB,
                               xa->h + (int64_t)m0 * ng, ng, (const uint8_t*)w, sp, G, K, y + m0 * ys + n0, ys,
                               b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
                 else
-                    tile_i4(mr, x + m0 * xs, xs, (const uint8_t*)w, sp, G, K, xg + (int64_t)m0 * ng, ng,
+                    tile_i4(mr, half, x + m0 * xs, xs, (const uint8_t*)w, sp, G, K, xg + (int64_t)m0 * ng, ng,
                             y + m0 * ys + n0, ys, b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
                 m0 += mr;
             }
@@ -532,11 +555,11 @@ static void share_direct(int fmt, const float* x, int64_t xs, const void* wp, co
 /* Prefill sizes: per row block (its x rows L2 resident, as in packed_gemm.c), each panel is widened K-block by
    K-block into scratch and every row tile runs the float micro-kernel over it, accumulating over the K-blocks
    (the bias added by the first). */
-static void share_widened(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G,
+static void share_widened(int fmt, int half, const float* x, int64_t xs, const void* wp, const void* s, int G,
                           const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
     float scratch[KBLOCK * PANEL] __attribute__((aligned(64)));
     const int np = (N + PANEL - 1) / PANEL;
-    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G);
+    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G) * (half ? 2 : 4);
     const int mb = row_block(M, K < KBLOCK ? K : KBLOCK);
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + 5) / 6;
@@ -546,7 +569,7 @@ static void share_widened(int fmt, const float* x, int64_t xs, const void* wp, c
             const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
             for (int k0 = 0; k0 < K; k0 += KBLOCK) {
                 const int kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
-                widen(fmt, w, s + (int64_t)p * ps, G, K, k0, kn, scratch, p + 1 < np ? w + pb : 0);
+                widen(fmt, half, w, (const char*)s + (int64_t)p * ps, G, K, k0, kn, scratch, p + 1 < np ? w + pb : 0);
                 int m0 = r0;
                 for (int t = 0; t < tiles; t++) {
                     const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
@@ -600,7 +623,8 @@ static void quant_rows(const float* x, int64_t xs, int M, int K, int G, int8_t* 
    activations also K a multiple of 32, and groups a multiple or a divisor of 32 (then each fold is in one
    activation block). */
 static int bad_args(int fmt, int K, int G) {
-    if (fmt == FMT_I8) return 0;
+    if (fmt & FMT_HALF) fmt &= ~FMT_HALF;
+    else if (fmt == FMT_I8) return 0;
     if (fmt == FMT_I4A8 && (K % QB || (G > 0 && G % QB && QB % G))) return 1;
     return (fmt != FMT_I4 && fmt != FMT_I4A8) || G <= 0 || G % 8 || K % G || KBLOCK % G;
 }
@@ -608,12 +632,15 @@ static int bad_args(int fmt, int K, int G) {
 /* The product for the thread team of an enclosing parallel region (decode_step.c's pattern): each thread takes
    its static share of the panels and returns without a barrier (the caller places one before y is read); int4's
    group sums of x are computed by each thread for itself, as nothing here may synchronise. Called outside a
-   parallel region, one thread does it all. fmt 0: int8 (s = scale [Npad]); 1: int4 (s = sz, G its group size).
+   parallel region, one thread does it all. fmt 0: int8 (s = scale [Npad]); 1: int4 (s = sz, G its group size);
+   2: int4 times int8 activations; either int4 format or'd with FMT_HALF: sz in float16.
    Returns 1 (nothing done) for arguments no kernel here takes. */
-int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G, const float* b,
+int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const void* s, int G, const float* b,
                float* y, int64_t ys, int M, int N, int K, int accumulate) {
     if (bad_args(fmt, K, G)) return 1;
     if (M <= 0 || N <= 0 || K <= 0) return 0;
+    const int half = fmt & FMT_HALF ? 1 : 0;
+    fmt &= ~FMT_HALF;
     if (fmt == FMT_I4A8) { /* integer tiles at every M: a row's result does not depend on its batch */
         const int64_t qbytes = (int64_t)M * K, nf = (int64_t)M * (K / QB + K / G);
         const int64_t bytes = qbytes + nf * (int64_t)sizeof(float);
@@ -626,16 +653,16 @@ int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float*
         float* h = d + (int64_t)M * (K / QB);
         quant_rows(x, xs, M, K, G, q, d, h);
         const act8 xa = {q, d, h};
-        share_direct(fmt, x, xs, wp, s, G, 0, &xa, b, y, ys, M, N, K, accumulate);
+        share_direct(fmt, half, x, xs, wp, s, G, 0, &xa, b, y, ys, M, N, K, accumulate);
         free(heap);
         return 0;
     }
     if (M > widen_rows[fmt]) {
-        share_widened(fmt, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
+        share_widened(fmt, half, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
         return 0;
     }
     if (fmt == FMT_I8) {
-        share_direct(fmt, x, xs, wp, s, G, 0, 0, b, y, ys, M, N, K, accumulate);
+        share_direct(fmt, 0, x, xs, wp, s, G, 0, 0, b, y, ys, M, N, K, accumulate);
         return 0;
     }
     const int64_t n = (int64_t)M * (K / G);
@@ -644,13 +671,13 @@ int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const float*
     if (n > XSUM_STACK && !heap) return 1;
     float* xg = heap ? heap : stack;
     group_sums(x, xs, M, K, G, xg);
-    share_direct(fmt, x, xs, wp, s, G, xg, 0, b, y, ys, M, N, K, accumulate);
+    share_direct(fmt, half, x, xs, wp, s, G, xg, 0, b, y, ys, M, N, K, accumulate);
     free(heap);
     return 0;
 }
 
 /* The same product in a parallel region of its own (torch's OpenMP threads). */
-int qgemm(int fmt, const float* x, int64_t xs, const void* wp, const float* s, int G, const float* b, float* y,
+int qgemm(int fmt, const float* x, int64_t xs, const void* wp, const void* s, int G, const float* b, float* y,
           int64_t ys, int M, int N, int K, int accumulate) {
     if (bad_args(fmt, K, G)) return 1;
     int err = 0;

@@ -27,7 +27,7 @@ def _lib(variant: str):
     return quant_panels.build({"INFERQ_NO_AVX512": 1} if variant == "avx2" else None)
 
 
-def _weight(n: int, k: int, group: int) -> torch.Tensor:
+def _weight(n: int, k: int, group: int, tiny: bool = True) -> torch.Tensor:
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g) * 0.05
     span = group or 32
@@ -36,13 +36,26 @@ def _weight(n: int, k: int, group: int) -> torch.Tensor:
     w[2, span : 2 * span] = 0.25  # a constant group
     w[3, 5] = 40.0  # outliers
     w[-1, -1] = -25.0
-    w[4] *= 1e-5  # tiny values
+    if tiny:
+        w[4] *= 1e-5  # tiny values: int4 scales below float16's normal range, so its panels keep float32 ones
     return w
 
 
-def _quantized(fmt: str, group: int, n: int, k: int) -> quant.QuantizedWeight:
-    w = _weight(n, k, group)
+def _quantized(fmt: str, group: int, n: int, k: int, tiny: bool = True) -> quant.QuantizedWeight:
+    w = _weight(n, k, group, tiny)
     return quant.quantize(w, fmt, group) if fmt == "int4" else quant.quantize(w, fmt)
+
+
+def _packed(fmt: str, group: int, n: int, k: int, half: bool) -> tuple[quant.QuantizedWeight, quant_panels.Panels]:
+    """The weight and its panels; int4 with float16 scales (half) or float32 ones (tiny values in the weight)."""
+    q = _quantized(fmt, group, n, k, tiny=not half)
+    p = quant_panels.pack(q)
+    if fmt == "int4":
+        assert p.scales.dtype == (torch.float16 if half else torch.float32)
+    return q, p
+
+
+HALF = [pytest.param(False, id="f32-scales"), pytest.param(True, id="f16-scales")]
 
 
 def _check(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, added=0.0) -> None:
@@ -56,13 +69,13 @@ def _check(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tenso
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize("variant", ["avx2", "default"])
 @pytest.mark.parametrize(("fmt", "group", "n", "k"), CASES)
-def test_panels_match_the_dequantised_weight(variant, fmt, group, n, k):
+def test_panels_match_the_dequantised_weight(variant, fmt, group, n, k, half):
     lib = _lib(variant)
     assert lib is not None
-    q = _quantized(fmt, group, n, k)
-    p = quant_panels.pack(q)
+    q, p = _packed(fmt, group, n, k, half)
     assert p.codes.shape == ((n + 15) // 16, k if fmt == "int8" else k // 2, 16)
     w = q.dequantize()
     gen = torch.Generator().manual_seed(k)
@@ -80,14 +93,14 @@ def test_panels_match_the_dequantised_weight(variant, fmt, group, n, k):
         _check(out, want, x, w, added)
 
 
+@pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_direct_and_widened_paths_agree_at_every_row_count(fmt):
+def test_direct_and_widened_paths_agree_at_every_row_count(fmt, half):
     """Both paths for every M: the codes widened in registers per tile, and a K-block at a time into scratch."""
     lib = _lib("default")
     f = quant_panels.FMT[fmt]
     default = lib.qgemm_widen_rows(f)
-    q = _quantized(fmt, 64, 40, 640)  # K = 2.5 K-blocks
-    p = quant_panels.pack(q)
+    q, p = _packed(fmt, 64, 40, 640, half)  # K = 2.5 K-blocks
     w = q.dequantize()
     gen = torch.Generator().manual_seed(3)
     try:
@@ -100,12 +113,12 @@ def test_direct_and_widened_paths_agree_at_every_row_count(fmt):
         lib.qgemm_set_widen_rows(f, default)
 
 
+@pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize(("fmt", "group", "n", "k"), CASES)
-def test_avx512_and_avx2_builds_agree_bit_for_bit(fmt, group, n, k):
+def test_avx512_and_avx2_builds_agree_bit_for_bit(fmt, group, n, k, half):
     """The 512-bit decode tiles do per lane what the two-ymm tiles do, in the same order: equal results, at every
     tile height, with bias and accumulation (on an AVX2-only CPU both builds are the AVX2 one)."""
-    q = _quantized(fmt, group, n, k)
-    p = quant_panels.pack(q)
+    q, p = _packed(fmt, group, n, k, half)
     gen = torch.Generator().manual_seed(n + k)
     bias = torch.randn(n, generator=gen)
     for m in (1, 2, 3, 4, 5, 6, 7, 12):
@@ -191,17 +204,18 @@ def _act8_reference(x: torch.Tensor) -> torch.Tensor:
 A8_CASES = [c for c in CASES if c[0] == "int4" and c[3] % 32 == 0]
 
 
+@pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize("variant", ["avx2", "default"])
 @pytest.mark.parametrize(("fmt", "group", "n", "k"), A8_CASES)
-def test_int4_panels_times_int8_activations(variant, fmt, group, n, k):
+def test_int4_panels_times_int8_activations(variant, fmt, group, n, k, half):
     """The integer tiles equal the de-quantised weight times the de-quantised activation blocks to float32
     rounding, with bias and accumulation, at every row count; a row's result is the same bit for bit whichever
     rows share its call (so a request's tokens do not depend on its batch); and the activations really are
     quantised (the float-activation panels differ)."""
     lib = _lib(variant)
-    q = _quantized(fmt, group, n, k)
-    p = quant_panels.with_int8_activations(quant_panels.pack(q))
-    assert p.code == 2 and p.codes.data_ptr() == p.codes.data_ptr()
+    q, p = _packed(fmt, group, n, k, half)
+    p = quant_panels.with_int8_activations(p)
+    assert p.code == (6 if half else 2)
     w = q.dequantize()
     gen = torch.Generator().manual_seed(k + 1)
     bias = torch.randn(n, generator=gen)
@@ -225,7 +239,7 @@ def test_int4_panels_times_int8_activations(variant, fmt, group, n, k):
             assert torch.equal(one[0], got[r]), (m, r)
         alone[m] = (x, got)
         if m == 1:
-            assert not torch.equal(got, quant_panels.matmul(x, quant_panels.pack(q), lib=lib))
+            assert not torch.equal(got, quant_panels.matmul(x, quant_panels.pack(q), lib=lib))  # float activations
     # team call outside a parallel region, and a strided x, equal qgemm's
     x, got = alone[16]
     assert torch.equal(quant_panels.matmul(x, p, team=True, lib=lib), got)
@@ -247,3 +261,26 @@ def test_int8_activations_need_whole_blocks_of_32():
     torch_form = quant_gemm.QuantLinear(q, None, ("w4dq",) * 4, act8=True)
     ref = _act8_reference(x) @ q.dequantize().double().t()
     assert float((torch_form(x).double() - ref).norm() / ref.norm()) < 1e-2  # bfloat16 inside w4dq
+
+
+def test_float16_scales_only_where_they_change_nothing():
+    """The panels keep an int4 weight's scales and offsets in float16 where every scale converts exactly and every
+    offset within float32's own rounding (GGUF's Q4_0 / Q4_1 blocks: float16 d and m; our quantiser, which rounds
+    them so), and in float32 otherwise (GPTQ's offsets zero * scale; scales below float16's normal range)."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, g = 32, 64, 32
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // g, generator=gen) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(n, k // g, generator=gen) * 0.05).half().float()
+    q41 = quant.QuantizedWeight("int4", codes, d, m + 8.0 * d, g)  # Q4_1 as worker/gguf_weights.py maps it
+    q40 = quant.QuantizedWeight("int4", codes, d, torch.zeros_like(d), g)  # Q4_0
+    z = torch.randint(0, 16, (n, k // g), generator=gen).float()
+    gptq = quant.QuantizedWeight("int4", codes, d, d * (8.0 - z) + d / 3.0, g)  # an offset no float16 holds
+    for q, half in ((q41, True), (q40, True), (gptq, False)):
+        p = quant_panels.pack(q)
+        assert (p.scales.dtype == torch.float16) == half
+        x = torch.randn(3, k, generator=gen)
+        w = q.dequantize()
+        _check(quant_panels.matmul(x, p), x.double() @ w.double().t(), x, w)
+    assert quant_panels.pack(_quantized("int4", 32, 20, 64, tiny=False)).nbytes < quant_panels.pack(
+        _quantized("int4", 32, 20, 64, tiny=True)).nbytes
