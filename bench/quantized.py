@@ -6,6 +6,7 @@ and offline throughput on the mixed workload (as ``bench throughput``). Pairs co
 
     inferq float32   <-> llama.cpp f32          inferq int8 <-> llama.cpp Q8_0
     inferq int4      <-> llama.cpp Q4_0         inferq auto (the GGUF's own Q4_1 blocks) <-> llama.cpp on that file
+    inferq w4a8      <-> llama.cpp Q4_0 (both: 4-bit weights times int8 activation blocks)
 
 Targets (issue 15): int8 >= 1.5x float32 throughput; int4 single-stream decode >= 2.5x float32; each at or
 above llama.cpp on the same quantisation.
@@ -24,11 +25,13 @@ from bench.workloads import mixed
 # variant -> InferqOffline options (inferq) or LlamaServer type (llama.cpp)
 INFERQ = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
           "w8a16": {"quantization": "w8a16"}, "w8a8": {"quantization": "w8a8"}, "int4": {"quantization": "int4"},
+          "w4a8": {"quantization": "w4a8"},
           "auto": {"quantization": "auto"}, "kv-int8": {"kv_cache_dtype": "int8"},
           "kv-fp8": {"kv_cache_dtype": "fp8_e4m3"}}
 LLAMA = {"llama-f32": "float32", "llama-q8_0": "q8_0", "llama-q4_0": "q4_0", "llama-gguf-shipped": "gguf-shipped"}
-PAIRS = {"float32": "llama-f32", "int8": "llama-q8_0", "int4": "llama-q4_0", "auto": "llama-gguf-shipped"}
-DEFAULT = ("float32", "bfloat16", "int8", "w8a16", "w8a8", "int4", "auto", "kv-int8", "kv-fp8", *LLAMA)
+PAIRS = {"float32": "llama-f32", "int8": "llama-q8_0", "int4": "llama-q4_0", "w4a8": "llama-q4_0",
+         "auto": "llama-gguf-shipped"}
+DEFAULT = ("float32", "bfloat16", "int8", "w8a16", "w8a8", "int4", "w4a8", "auto", "kv-int8", "kv-fp8", *LLAMA)
 
 
 def _subjects(model_dir: Path, variants, *, threads: int, log):
