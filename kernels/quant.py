@@ -6,7 +6,8 @@ the codes and the scales alike:
 
 - ``int8``: symmetric, one scale per output channel: ``w = q * scale[row]``, ``q`` in [-127, 127].
 - ``int4``: groups of ``group_size`` inputs along each row, each with a scale and a zero point (asymmetric,
-  min/max): ``w = (q - 8) * scale + zero`` with ``q`` in [0, 15]. That is torch's int4 CPU matmul convention,
+  min/max; the grid in float16 values where it fits, so the panels keep it in half the bytes):
+  ``w = (q - 8) * scale + zero`` with ``q`` in [0, 15]. That is torch's int4 CPU matmul convention,
   and GGUF's blocks map onto it exactly in form: Q4_1 (``d * q + m``) is ``scale = d, zero = m + 8 d``; Q4_0
   (``d * (q - 8)``) is ``scale = d, zero = 0``.
 
