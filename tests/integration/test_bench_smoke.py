@@ -186,11 +186,11 @@ def test_latency_quantised_weights_count_the_bytes_their_decode_form_reads(tiny,
     (the panels: codes and scales), not by a float weight's; the float-only weights-alone pass is left out."""
     from bench import latency
 
-    latency.run(str(tiny), dtypes=("float32", "int8", "int4"), engines=("inferq",), quick=True, out=tmp_path,
-                log=_quiet)
+    latency.run(str(tiny), dtypes=("float32", "int8", "int4", "w4a8"), engines=("inferq",), quick=True,
+                out=tmp_path, log=_quiet)
     data = json.loads((tmp_path / "latency.json").read_text())["dtypes"]
     floats = data["float32"]["breakdown"][0]["weight_bytes"]
-    for fmt, bits in (("int8", 8), ("int4", 4)):
+    for fmt, bits in (("int8", 8), ("int4", 4), ("w4a8", 4)):
         d = data[fmt]
         assert d["weight_streaming"] is None
         for row in d["breakdown"]:
