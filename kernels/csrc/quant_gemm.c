@@ -497,7 +497,7 @@ static void widen(int fmt, int half, const void* codes, const void* sv, int G, i
 /* Bytes of one panel's codes, and elements of its scales (int8: 16; int4: its K/G groups' scales and offsets,
    float32 or float16). */
 static int64_t panel_code_bytes(int fmt, int K) { return fmt == FMT_I8 ? (int64_t)K * PANEL : (int64_t)K / 2 * PANEL; }
-static int64_t panel_scale_floats(int fmt, int K, int G) { return fmt == FMT_I8 ? PANEL : (int64_t)K / G * 2 * PANEL; }
+static int64_t panel_scale_elems(int fmt, int K, int G) { return fmt == FMT_I8 ? PANEL : (int64_t)K / G * 2 * PANEL; }
 
 /* Rows per row block: their x rows (about X_BLOCK_BYTES of k_len inputs each) stay in L2 while every panel of the
    thread's share passes over them; without blocks each panel re-read all M rows of x from L3 (packed_gemm.c). */
@@ -522,7 +522,7 @@ static void share_direct(int fmt, int half, const float* x, int64_t xs, const vo
                          const float* xg, const act8* xa, const float* b, float* y, int64_t ys, int M, int N, int K,
                          int accumulate) {
     const int np = (N + PANEL - 1) / PANEL, ng = fmt == FMT_I8 ? 0 : K / G, mb = row_block(M, K);
-    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G) * (half ? 2 : 4);
+    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_elems(fmt, K, G) * (half ? 2 : 4);
     const int tile_rows = fmt == FMT_I8 ? 6 : 4;
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + tile_rows - 1) / tile_rows;
@@ -559,7 +559,7 @@ static void share_widened(int fmt, int half, const float* x, int64_t xs, const v
                           const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
     float scratch[KBLOCK * PANEL] __attribute__((aligned(64)));
     const int np = (N + PANEL - 1) / PANEL;
-    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_floats(fmt, K, G) * (half ? 2 : 4);
+    const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_elems(fmt, K, G) * (half ? 2 : 4);
     const int mb = row_block(M, K < KBLOCK ? K : KBLOCK);
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + 5) / 6;
