@@ -56,6 +56,8 @@ def bench(
     tp: Annotated[str | None, typer.Option(help="parallel: comma-separated tensor-parallel sizes (default: 1 and "
                                                 "the smallest larger size that splits the model).")] = None,
     quick: Annotated[bool, typer.Option(help="Tiny sizes (a smoke run, seconds).")] = False,
+    ab: Annotated[bool, typer.Option(help="latency: only the dtypes' decode steps taken in turn in one process "
+                                          "(median step time and ratio to the first dtype).")] = False,
     allow_slow_half: Annotated[bool, typer.Option(help="throughput: run bfloat16/float16 even on a CPU without a "
                                                        "native half-precision GEMM (hours, not minutes).")] = False,
 ) -> None:
@@ -187,8 +189,12 @@ def bench(
     elif name == "latency":
         from bench import latency
 
-        latency.run(model, dtypes=dtypes or ("float32",), engines=_csv(engines) or ("inferq",),
-                    max_tokens=max_output or 128, quick=quick, **kw)
+        if ab:
+            latency.ab_by_step(model, dtypes=dtypes or ("float32",), max_tokens=max_output or 128, quick=quick,
+                               **({"tag": "latency-ab"} | kw))
+        else:
+            latency.run(model, dtypes=dtypes or ("float32",), engines=_csv(engines) or ("inferq",),
+                        max_tokens=max_output or 128, quick=quick, **kw)
     elif name == "routing":
         from bench import routing
 

@@ -695,6 +695,59 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
                                ("ttft_hop_ms", "TTFT hop ms")]), *hops])
 
 
+# --- A/B by step -------------------------------------------------------------------------------------------------
+
+def ab_by_step(model: str | None = None, *, dtypes: tuple[str, ...], rounds: int = 6, max_tokens: int = 128,
+               quick: bool = False, out: str | Path | None = None, tag: str = "latency-ab", log=print) -> dict:
+    """Weight formats side by side at the finest grain: one engine each on the same chat, one decode step of each
+    in turn (the order reversed every round), ``rounds`` requests of ``max_tokens`` tokens each (``ignore_eos``,
+    greedy, prefix cache off); per format the median step time and its ratio to the first format's.
+
+    Why: on a shared VM the speed drifts 20-30% between runs seconds apart, more than most effects worth
+    measuring, so two full runs one after the other cannot tell a 5% change; steps taken in turn see the same
+    drift (session 19 resolved 1-2% this way where two alternated ``bench quant`` repeats disagreed by 25%)."""
+    import statistics
+
+    from bench.engines import InferqOffline
+    from scheduler.request import Request, SamplingParams
+
+    if quick:
+        rounds, max_tokens = 2, 8
+    model_dir = common.resolve_model_dir(model)
+    info = common.machine_info(list(dtypes))
+    log(common.machine_line(info))
+    t_start = time.perf_counter()
+    engines = {d: InferqOffline(model_dir, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048,
+                                **VARIANTS[d][0]).new_engine(enable_prefix_cache=False) for d in dtypes}
+    ids = engines[dtypes[0]].encode(messages=(prompts(200) if quick else prompts())[0])
+    step_s: dict[str, list[float]] = {d: [] for d in dtypes}
+    for r in range(rounds):
+        for engine in engines.values():
+            engine.add_request(Request(f"ab{r}", ids, SamplingParams(max_tokens=max_tokens + 1, temperature=0.0,
+                                                                      ignore_eos=True)))
+            engine.step()  # the prefill, untimed
+        order = dtypes if r % 2 == 0 else dtypes[::-1]
+        while any(e.has_unfinished() for e in engines.values()):
+            for d in order:
+                if engines[d].has_unfinished():
+                    t = time.perf_counter()
+                    engines[d].step()
+                    step_s[d].append(time.perf_counter() - t)
+    first = statistics.median(step_s[dtypes[0]])
+    rows = [{"dtype": d, "steps": len(step_s[d]), "median_ms": statistics.median(step_s[d]) * 1e3,
+             "mean_ms": statistics.mean(step_s[d]) * 1e3,
+             "p10_ms": sorted(step_s[d])[len(step_s[d]) // 10] * 1e3,
+             "speedup_vs_first": first / statistics.median(step_s[d])} for d in dtypes]
+    result = {"benchmark": "latency-ab", "machine": info, "model": str(model_dir), "rounds": rounds,
+              "max_tokens": max_tokens, "rows": rows, "elapsed_s": time.perf_counter() - t_start}
+    common.write_json(common.results_dir(out), tag, result)
+    log(f"decode steps taken in turn, {rounds} requests x {max_tokens} tokens each, batch 1")
+    log(common.table(rows, [("dtype", "dtype"), ("steps", "steps"), ("median_ms", "median ms"),
+                            ("mean_ms", "mean ms"), ("p10_ms", "p10 ms"), ("speedup_vs_first", f"vs {dtypes[0]}")],
+                     digits=3))
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model")
@@ -704,10 +757,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
     p.add_argument("--tag", default="latency", help="the results file's name (bench/results/<tag>.json)")
+    p.add_argument("--ab", action="store_true", help="only the dtypes' decode steps taken in turn (ab_by_step)")
     a = p.parse_args(argv)
     unknown = [d for d in a.dtype.split(",") if d not in VARIANTS]
     if unknown:
         p.error(f"unknown --dtype {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    if a.ab:
+        ab_by_step(a.model, dtypes=tuple(a.dtype.split(",")), max_tokens=a.max_tokens, quick=a.quick, out=a.out,
+                   tag=a.tag if a.tag != "latency" else "latency-ab")
+        return
     run(a.model, dtypes=tuple(a.dtype.split(",")), engines=tuple(a.engines.split(",")), max_tokens=a.max_tokens,
         quick=a.quick, out=a.out, tag=a.tag)
 

@@ -181,6 +181,20 @@ def test_latency_smoke(tiny, tmp_path):
     assert ours["decode_tok_s"] > 0 and ours["tpot_p50_ms"] > 0 and ours["ttft_p50_ms"] > 0
 
 
+def test_latency_ab_takes_the_formats_steps_in_turn(tiny, tmp_path):
+    """``--ab``: every format decodes the same number of steps (taken in turn), each row has its median step time
+    and its ratio to the first format's, and the results file says what ran."""
+    from bench import latency
+
+    result = latency.ab_by_step(str(tiny), dtypes=("float32", "w4a8"), quick=True, out=tmp_path, log=_quiet)
+    rows = {r["dtype"]: r for r in result["rows"]}
+    assert list(rows) == ["float32", "w4a8"]
+    assert rows["float32"]["steps"] == rows["w4a8"]["steps"] == result["rounds"] * result["max_tokens"]
+    assert rows["float32"]["speedup_vs_first"] == 1.0
+    assert rows["w4a8"]["speedup_vs_first"] == pytest.approx(rows["float32"]["median_ms"] / rows["w4a8"]["median_ms"])
+    assert json.loads((tmp_path / "latency-ab.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+
+
 def test_latency_quantised_weights_count_the_bytes_their_decode_form_reads(tiny, tmp_path):
     """``--dtype int8,int4``: the breakdown judges a quantised step by the bytes its decode-sized products read
     (the panels: codes and scales), not by a float weight's; the float-only weights-alone pass is left out."""
