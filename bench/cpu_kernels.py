@@ -5,6 +5,7 @@ repeats), on the default model's shapes. Run under the heavy-job lock:
     python -m bench.cpu_kernels decode    # decode attention, AVX-512 item vs AVX2 item, float32 and bfloat16 caches
     python -m bench.cpu_kernels decode-long  # decode attention at long contexts, split over the threads or not
     python -m bench.cpu_kernels prefill   # causal prefill kernel vs per-sequence SDPA
+    python -m bench.cpu_kernels w4a8      # int4 panels: float activations vs int8 ones, each a8 tile this CPU runs
 
 The shapes are SmolLM2-135M's (hidden 576, MLP 1536, 9 query / 3 kv heads of 64, vocab 49152, 30 layers);
 every layer has its own weight / KV pool, so data is cold in the caches as in a model step.
@@ -19,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, hugepages, packed_gemm, reference
+from kernels import cpu_attention, hugepages, packed_gemm, quant, quant_panels, reference
 
 LAYERS = 30
 SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]  # gate_up, down, qkv, o: (out, in)
@@ -173,15 +174,48 @@ def _prefill_case(lens: list[int], repeats: int) -> None:
           flush=True)
 
 
+def w4a8(ms: list[int], repeats: int = 6) -> None:
+    """Weight GB/s (codes and scales read per call) of int4-g32 panels over a 30-layer set of the model's
+    projections: float activations (block4), and int8 ones on each tile this CPU runs (AVX2 vpmaddubsw, and
+    AVX512-VNNI where built), plus a read of the same bytes by torch.sum for the machine's streaming rate."""
+    builds = {"int4": quant_panels._load(), "w4a8 AVX2": quant_panels.build({"INFERQ_NO_VNNI": 1})}
+    if quant_panels.act8_isa() != "avx2":
+        builds["w4a8 " + quant_panels.act8_isa()] = quant_panels._load()
+    layers = {s: [quant_panels.pack(quant.quantize(torch.randn(*s) * 0.05, "int4", 32)) for _ in range(LAYERS)]
+              for s in SHAPES}
+    a8 = {s: [quant_panels.with_int8_activations(p) for p in ps] for s, ps in layers.items()}
+    nbytes = sum(p.codes.numel() * p.codes.element_size() + p.scales.numel() * p.scales.element_size()
+                 for ps in layers.values() for p in ps)
+    flat = torch.randn(nbytes // 4)
+    print(f"weight GB/s, int4 g32, {nbytes / 1e6:.1f} MB per pass, 2 threads:", "  ".join(builds), " torch.sum")
+    for m in ms:
+        secs = dict.fromkeys([*builds, "torch.sum"], 0.0)
+        xs = {s: torch.randn(m, s[1]) for s in SHAPES}
+        for rep in range(repeats):
+            for name in (list(secs) if rep % 2 == 0 else list(secs)[::-1]):
+                t0 = time.perf_counter()
+                if name == "torch.sum":
+                    flat.sum()
+                else:
+                    for s in SHAPES:
+                        for p in (layers if name == "int4" else a8)[s]:
+                            quant_panels.matmul(xs[s], p, lib=builds[name])
+                secs[name] += time.perf_counter() - t0
+        base = secs["int4"]
+        print(f"M={m:4d}  " + "  ".join(f"{n} {repeats * nbytes / t / 1e9:5.1f} ({base / t:.2f}x)" for n, t in secs.items()),
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["gemm", "decode", "decode-long", "prefill"])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 16, 64, 256, 1024, 2048], help="gemm: rows")
+    parser.add_argument("what", choices=["gemm", "decode", "decode-long", "prefill", "w4a8"])
+    parser.add_argument("--m", type=int, nargs="+", default=None, help="gemm / w4a8: rows")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if packed_gemm._load() is None or cpu_attention.load() is None:
         raise SystemExit("the C kernels are not available here (no AVX2+FMA CPU or no C compiler)")
-    {"gemm": lambda: gemm(args.m), "decode": decode, "decode-long": decode_long, "prefill": prefill}[args.what]()
+    {"gemm": lambda: gemm(args.m or [1, 8, 16, 64, 256, 1024, 2048]), "decode": decode, "decode-long": decode_long,
+     "prefill": prefill, "w4a8": lambda: w4a8(args.m or [1, 2, 4, 8, 16, 64, 256])}[args.what]()
 
 
 if __name__ == "__main__":

@@ -50,7 +50,19 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm_set_widen_rows.restype = None
     lib.qgemm_widen_rows.argtypes = [i]
     lib.qgemm_widen_rows.restype = i
+    lib.qgemm_a8_isa.argtypes = []
+    lib.qgemm_a8_isa.restype = i
     return lib
+
+
+A8_ISA = {1: "avx2", 3: "avx512-vnni"}
+
+
+def act8_isa(lib: ctypes.CDLL | None = None) -> str | None:
+    """Which tile multiplies int4 panels by int8 activations in this build ("avx2", "avx512-vnni"); None
+    where the kernel does not run."""
+    lib = lib or _load()
+    return A8_ISA[lib.qgemm_a8_isa()] if lib is not None else None
 
 
 @functools.cache

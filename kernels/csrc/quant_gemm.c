@@ -34,7 +34,8 @@
    Panels are shared out over OpenMP threads: share_direct / share_widened are the body, an orphaned `omp for
    nowait`, so qgemm_team can be called by every thread of an enclosing parallel region (decode_step.c's
    pattern, no barrier at the end), and qgemm runs it in a parallel region of its own. Needs AVX2 + FMA; AVX-512
-   builds run the decode tiles on 512-bit registers (block_i8_512, block4_512), with results equal bit for bit. */
+   builds run the decode tiles on 512-bit registers (block_i8_512, block4_512, and with AVX512-VNNI + VBMI
+   block4a8_512), with results equal bit for bit. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -258,7 +259,7 @@ ALWAYS_INLINE void block4(const int MR, const int H, const float* x, int64_t xs,
    fused-multiply-added into the float totals with the group's scales times the block's activation scale. The
    offsets' term is o_g times the group's sum of the de-quantised activations (xh), once per group:
      y = sum_g [ s_g sum_{b in g} d_b sum_{k in b} q_k c_k + o_g sum_{k in g} d_b(k) q_k ].
-   The same code runs in AVX-512 builds (no 512-bit variant yet), so every build gives equal results. */
+   AVX512-VNNI builds run block4a8_512 instead, with equal results bit for bit. */
 ALWAYS_INLINE void block4a8(const int MR, const int H, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
                             const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K, float* y,
                             int64_t ys, const float* b, int nc, int accumulate, const uint8_t* prefetch) {
@@ -401,10 +402,89 @@ ALWAYS_INLINE void block4_512(const int MR, const int H, const float* x, int64_t
 }
 #define BLOCK_I8(MR, ...) block_i8_512(MR, __VA_ARGS__)
 #define BLOCK_I4 block4_512
+
+#if !defined(INFERQ_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define A8_ISA 3
+/* block4a8()'s tile with AVX512-VNNI: vpdpbusd multiplies 4 unsigned codes by 4 signed activations and adds the
+   four products into an int32 lane, so one zmm lane per column takes 4 inputs per instruction, with no int16
+   stage and no widening. Four pair rows (64 bytes, k .. k + 7) are split into their nibbles (a shift and two
+   ands) and two byte permutes (vpermt2b, AVX512-VBMI) put each column's four codes of k .. k + 3 (then
+   k + 4 .. k + 7) side by side: [lo j, hi j, lo j+1, hi j+1] for column c. The activations' quad is one
+   broadcast, the same in every lane. Per 8 inputs of 16 columns: a load, 5 ops, then per row 2 broadcasts and
+   2 vpdpbusd (block4a8: 10 ops per 4 inputs, then 6 per row). Integer sums are exact, so splitting a fold over
+   NS accumulator sets (latency) changes nothing: each fold's column sum is block4a8's, converted and FMA'd in
+   the same order, and both builds give equal results bit for bit. */
+ALWAYS_INLINE void block4a8_512(const int MR, const int H, const int8_t* xq, int64_t xqs, const float* xd,
+                                int64_t xds, const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K,
+                                float* y, int64_t ys, const float* b, int nc, int accumulate,
+                                const uint8_t* prefetch) {
+    const int F = G < QB ? G : QB, NS = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+    const __m512i nib = _mm512_set1_epi8(15);
+    /* byte 4c + i of operand A (pair rows j, j + 1) and B (j + 2, j + 3) from the 128 bytes [lo (64) | hi (64)] */
+    static const int8_t order[2][64] = {
+        {0, 64, 16, 80, 1, 65, 17, 81, 2, 66, 18, 82, 3, 67, 19, 83, 4, 68, 20, 84, 5, 69, 21, 85,
+         6, 70, 22, 86, 7, 71, 23, 87, 8, 72, 24, 88, 9, 73, 25, 89, 10, 74, 26, 90, 11, 75, 27, 91,
+         12, 76, 28, 92, 13, 77, 29, 93, 14, 78, 30, 94, 15, 79, 31, 95},
+        {32, 96, 48, 112, 33, 97, 49, 113, 34, 98, 50, 114, 35, 99, 51, 115, 36, 100, 52, 116, 37, 101, 53, 117,
+         38, 102, 54, 118, 39, 103, 55, 119, 40, 104, 56, 120, 41, 105, 57, 121, 42, 106, 58, 122, 43, 107, 59, 123,
+         44, 108, 60, 124, 45, 109, 61, 125, 46, 110, 62, 126, 47, 111, 63, 127}};
+    const __m512i oa = _mm512_loadu_si512(order[0]), ob = _mm512_loadu_si512(order[1]);
+    __m512 t[4];
+    __m256 h2[4][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) t[r] = _mm512_setzero_ps();
+    for (int k0 = 0; k0 < K; k0 += F) {
+        const int g = k0 / G;
+        if (prefetch && k0 % G == 0) prefetch_group(H, sz, ng, g);
+        __m512i a[4][4];
+        _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) a[s][r] = _mm512_setzero_si512();
+        for (int k = k0, step = 0; k < k0 + F; k += 8, step++) {
+            const int j = k / 2, sa = (2 * step) % NS, sb = (2 * step + 1) % NS;
+            if (prefetch) _mm_prefetch((const char*)(prefetch + (int64_t)j * PANEL), _MM_HINT_T0);
+            const __m512i v = _mm512_loadu_si512((const void*)(w + (int64_t)j * PANEL));
+            const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            const __m512i A = _mm512_permutex2var_epi8(lo, oa, hi), B = _mm512_permutex2var_epi8(lo, ob, hi);
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+                int32_t qa, qb;
+                memcpy(&qa, xq + r * xqs + k, 4);
+                memcpy(&qb, xq + r * xqs + k + 4, 4);
+                a[sa][r] = _mm512_dpbusd_epi32(a[sa][r], A, _mm512_set1_epi32(qa));
+                a[sb][r] = _mm512_dpbusd_epi32(a[sb][r], B, _mm512_set1_epi32(qb));
+            }
+        }
+        _Pragma("GCC unroll 4") for (int s = 1; s < NS; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) a[0][r] = _mm512_add_epi32(a[0][r], a[s][r]);
+        const int64_t gs = (int64_t)g * 2 * PANEL;
+        const __m512 sc = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs)))
+                            : _mm512_loadu_ps((const float*)sz + gs);
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+            const __m512 d = _mm512_set1_ps(xd[r * xds + k0 / QB]);
+            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(sc, d), _mm512_cvtepi32_ps(a[0][r]), t[r]);
+        }
+        if ((k0 + F) % G == 0) {
+            const __m512 of = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs + 16)))
+                                : _mm512_loadu_ps((const float*)sz + gs + 16);
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)
+                t[r] = _mm512_fmadd_ps(of, _mm512_set1_ps(xh[r * ng + g]), t[r]);
+        }
+    }
+    halves(MR, t, h2);
+    store_tile(MR, h2, 0, y, ys, b, nc, accumulate);
+}
+#define BLOCK_I4A8 block4a8_512
+#endif
 #else
 #define BLOCK_I8(MR, ...) block(MR, KIND_I8, __VA_ARGS__)
 #define BLOCK_I4 block4
 #endif /* INFERQ_HAVE_AVX512 */
+#ifndef BLOCK_I4A8
+#define A8_ISA 1
+#define BLOCK_I4A8 block4a8
+#endif
+
+/* Which tile multiplies int4 panels by int8 activations in this build: 1 block4a8 (AVX2), 3 block4a8_512
+   (AVX512-VNNI + VBMI; INFERQ_NO_VNNI or INFERQ_NO_AVX512 leave it out, for tests and timings). */
+int qgemm_a8_isa(void) { return A8_ISA; }
 
 /* the row count is a compile-time constant inside each block (always_inline), hence one case per count */
 static void tile_f32(int mr, const float* x, int64_t xs, const float* w, int K, float* y, int64_t ys,
@@ -453,9 +533,9 @@ static void tile_i4a8(int mr, int half, const int8_t* xq, int64_t xqs, const flo
                       const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K, float* y, int64_t ys,
                       const float* b, int nc, int acc, const uint8_t* pf) {
     if (half)
-        I4_ROWS(block4a8, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        I4_ROWS(BLOCK_I4A8, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
     else
-        I4_ROWS(block4a8, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        I4_ROWS(BLOCK_I4A8, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
 }
 
 /* Panel p's rows k0 .. k0 + kn widened to float32 weights in dst [kn, 16]; the same rows of the next panel

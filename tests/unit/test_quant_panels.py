@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from kernels import quant, quant_gemm, quant_panels, w8a8_panels
+from kernels import native, quant, quant_gemm, quant_panels, w8a8_panels
 
 pytestmark = pytest.mark.skipif(not quant_panels.available(), reason="no AVX2+FMA CPU or no C compiler")
 
@@ -22,9 +22,12 @@ CASES = [("int8", 0, 37, 96), ("int8", 0, 100, 576), ("int4", 32, 37, 128), ("in
          ("int4", 128, 21, 1536), ("int4", 256, 19, 512)]
 
 
+BUILDS = {"avx2": {"INFERQ_NO_AVX512": 1}, "no-vnni": {"INFERQ_NO_VNNI": 1}, "default": None}
+
+
 @functools.cache
 def _lib(variant: str):
-    return quant_panels.build({"INFERQ_NO_AVX512": 1} if variant == "avx2" else None)
+    return quant_panels.build(BUILDS[variant])
 
 
 def _weight(n: int, k: int, group: int, tiny: bool = True) -> torch.Tensor:
@@ -128,6 +131,32 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(fmt, group, n, k, half):
                for v in ("avx2", "default")}
         assert torch.equal(got["avx2"][0], got["default"][0]), m
         assert torch.equal(got["avx2"][1], got["default"][1]), m
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize(("fmt", "group", "n", "k"), [c for c in CASES if c[0] == "int4" and c[3] % 32 == 0])
+def test_int8_activation_tiles_agree_bit_for_bit_in_every_build(fmt, group, n, k, half):
+    """The AVX512-VNNI tile (vpdpbusd over permuted nibbles) and the AVX2 one (vpmaddubsw, int16 folds) sum the
+    same integers and fold them in the same order: equal results at every tile height, with bias and
+    accumulation. The default build runs the VNNI tile wherever the CPU has AVX512-VNNI and VBMI, so this
+    machine checks every tile it can run."""
+    flags = set(native.cpu_flags().split())
+    vnni = {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= flags
+    assert quant_panels.act8_isa(_lib("default")) == ("avx512-vnni" if vnni else "avx2")
+    assert quant_panels.act8_isa(_lib("avx2")) == quant_panels.act8_isa(_lib("no-vnni")) == "avx2"
+    q, p = _packed(fmt, group, n, k, half)
+    p = quant_panels.with_int8_activations(p)
+    gen = torch.Generator().manual_seed(n * k + 3)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 2, 3, 4, 5, 6, 7, 12):
+        x = torch.randn(m, k, generator=gen)
+        x[0, :5] *= 300.0  # one coarse block
+        out = torch.randn(m, n, generator=gen)
+        got = {v: (quant_panels.matmul(x, p, lib=_lib(v)), quant_panels.matmul(x, p, bias, out=out.clone(), lib=_lib(v)))
+               for v in BUILDS}
+        for v in ("no-vnni", "default"):
+            assert torch.equal(got["avx2"][0], got[v][0]), (m, v)
+            assert torch.equal(got["avx2"][1], got[v][1]), (m, v)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
