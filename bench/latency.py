@@ -246,8 +246,11 @@ def _quantized(model) -> bool:
     return any(isinstance(getattr(layer, kind), QuantLinear) for layer in model.layers for kind in PROJECTIONS)
 
 
-def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0, fused: bool = False) -> dict:
-    """ms per decode step of ``batch`` sequences, per part, and the achieved read rate. ``fused``: the step as
+def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: int = 0, fused: bool = False,
+              ahead: bool = False) -> dict:
+    """ms per decode step of ``batch`` sequences, per part, and the achieved read rate. ``ahead``: with the
+    engine's decode-ahead windows (several tokens per engine step where one sequence decodes alone, as inferq
+    serves it; worker/engine.py), times per token instead of per step; otherwise one token per step. ``fused``: the step as
     inferq runs it (every layer in one C call, kernels/decode_step.py: "other forward" is then the whole layer
     stack, and its build with ``INFERQ_STEP_PHASES`` times each phase inside the call, ``fused_phases_ms``: the
     products, attention, and each thread's wait at the barrier after a product); otherwise op by op, each part
@@ -259,17 +262,20 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     from scheduler.request import Request, SamplingParams
 
     rng = random.Random(seed)
-    engine = base.new_engine()
+    from worker.engine import MAX_AHEAD
+
+    engine = base.new_engine(decode_ahead_ms=base.settings.decode_ahead_ms if ahead else 0.0)
     runner, model = base.runner, base.runner.model
     model.use_decode_step(fused)
     for i in range(batch):
         prompt = [rng.randrange(3, base.info.vocab_size) for _ in range(prompt_len)]
-        engine.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
+        engine.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=steps + 8 + 2 * MAX_AHEAD, temperature=0.0,
                                                                    ignore_eos=True)))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()  # prefill, untimed
-    for _ in range(4):
-        engine.step()  # warm decode steps
+    warm = sum(r.num_tokens for r in engine.scheduler.running) + 4 * batch
+    while sum(r.num_tokens for r in engine.scheduler.running) < warm:
+        engine.step()  # warm decode steps (one decode-ahead window may make all four tokens)
     phased = _time_phases(model) if fused else None
     reads = read_buffer(sum(weight_bytes(model).values()))
     reads.sum()  # first touch
@@ -284,24 +290,29 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     timers.wrap(runner.backend, "forward", "attention")
     timers.wrap(runner.backend, "write_kv_cache", "attention")
     timers.wrap(runner.sampler, "sample", "sampling")
-    context = 0
+    context, done, i = 0.0, 0, 0  # done: tokens made per sequence (one per step without windows)
     try:
         with timers.projections(projection_names(model)):
-            for i in range(steps):
-                context += sum(r.num_tokens for r in engine.scheduler.running)
+            while done < steps and engine.has_unfinished():
+                running = engine.scheduler.running
+                before = sum(r.num_tokens for r in running)
                 engine.step()
-                if i % every == every - 1:
+                made = (sum(r.num_tokens for r in running) - before) / batch
+                context += before * made
+                done += made
+                i += 1
+                if i % every == 0:
                     t0 = time.perf_counter()
                     reads.sum()
                     read_s.append(time.perf_counter() - t0)
         fused_step = model._decode_step if fused else None  # use_decode_step below drops it
-        phases = _phases_per_step(phased, steps) if phased is not None else None
+        phases = _phases_per_step(phased, done) if phased is not None else None
     finally:
         timers.unwrap()
         model.use_decode_step(True)
         for rid in list(engine.scheduler.requests):
             engine.abort(rid)
-    t = {k: v / steps * 1000 for k, v in timers.t.items()}  # ms per step
+    t = {k: v / done * 1000 for k, v in timers.t.items()}  # ms per step (per token of each sequence)
     parts = {kind: t.get(kind, 0.0) for kind in (*PROJECTIONS, "lm_head")}
     parts["attention"] = t.get("attention", 0.0)
     parts["other forward"] = t["forward"] - sum(parts.values())
@@ -311,9 +322,9 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     parts["engine python"] = t["step"] - sum(parts.values())
     wbytes = weight_bytes(model)
     cache = runner.kv_caches[0][0]
-    kv_bytes = 2 * len(runner.kv_caches) * (context / steps) * cache.shape[2] * cache.shape[3] * cache.element_size()
+    kv_bytes = 2 * len(runner.kv_caches) * (context / done) * cache.shape[2] * cache.shape[3] * cache.element_size()
     step_bytes = sum(wbytes.values()) + kv_bytes
-    return {"batch": batch, "fused": fused, "head_in_step": bool(fused_step is not None and fused_step.has_head),
+    return {"batch": batch, "fused": fused, "ahead": ahead, "engine_steps": i, "tokens": done, "head_in_step": bool(fused_step is not None and fused_step.has_head),
             "step_ms": t["step"], "parts_ms": parts, "weight_bytes": wbytes, "fused_phases_ms": phases,
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": step_bytes, "achieved_gbs": step_bytes / t["step"] / 1e6,
             "read_alt_gbs": reads.nbytes * len(read_s) / sum(read_s) / 1e9 if read_s else None,
@@ -372,15 +383,17 @@ def inferq_stream(base, chats: list[list[dict]], max_tokens: int, prefix_cache: 
         ids = engine.encode(messages=chat)
         t0 = time.perf_counter()
         engine.add_request(Request(f"s{k}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
-        stamps, tokens = [], []
+        stamps, counts, tokens = [], [], []
         while engine.has_unfinished():
             for out in engine.step():
                 if out.new_token_ids:
                     stamps.append(time.perf_counter())
+                    counts.append(len(out.new_token_ids))  # several in a decode-ahead window
                     tokens += out.new_token_ids
         ttft.append(stamps[0] - t0)
-        tpot += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-        decode_tokens += len(stamps) - 1
+        for a, b, n in zip(stamps, stamps[1:], counts[1:], strict=False):
+            tpot += [(b - a) / n] * n
+        decode_tokens += sum(counts[1:])
         decode_time += stamps[-1] - stamps[0]
         outs.append(tokens)
     return _stream_row("inferq", ttft, tpot, decode_tokens, decode_time, outs)
@@ -579,6 +592,7 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
         streaming = weight_streaming(base.runner.model, repeats=2 if quick else 5)
         read_gbs = read_bandwidth(256 if quick else 1024, 3 if quick else 5)  # just before the steps it judges
         rows = [breakdown(base, b, steps=steps, fused=fused) for fused in (False, True) for b in BATCHES]
+        rows.append(breakdown(base, 1, steps=steps, fused=True, ahead=True))  # as served: decode-ahead windows
         streams = _fused_and_op_by_op(base, chats, max_tokens, repeats=1 if quick else 2)
         if "inferq-service" in engines:
             offline, service = service_vs_offline(base, model_dir, options, chats, max_tokens,
@@ -621,7 +635,7 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
 def _targets(result: dict) -> list[dict]:
     out = []
     for dtype, d in result["dtypes"].items():
-        b1 = _share(_fused_rows(d)[0], d["read_gbs"])
+        b1 = _share(_served_row(d), d["read_gbs"])
         out.append({"target": f"{dtype}: batch-1 step at >= 85% of the measured read bandwidth (read alongside)",
                     "measured": b1, "met": b1 >= 0.85})
         for row in d["streams"]:
@@ -647,8 +661,13 @@ def _share(row: dict, read_before: float) -> float:
 
 
 def _fused_rows(d: dict) -> list[dict]:
-    """The breakdown rows of the step as inferq runs it (fused), batch 1 first; older results: all rows."""
-    return [r for r in d["breakdown"] if r.get("fused", True)]
+    """The breakdown rows of the fused step, one token per step, batch 1 first; older results: all rows."""
+    return [r for r in d["breakdown"] if r.get("fused", True) and not r.get("ahead")]
+
+
+def _served_row(d: dict) -> dict:
+    """Batch 1 as inferq serves it: with decode-ahead windows where measured (older results: the fused step)."""
+    return next((r for r in d["breakdown"] if r.get("ahead")), _fused_rows(d)[0])
 
 
 def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
@@ -666,6 +685,12 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
                  **{f"b{r['batch']}": r.get("read_alt_gbs") or 0.0 for r in fused}})
     rows.append({"part": "fused: share of read bandwidth read alongside (the target's)",
                  **{f"b{r['batch']}": _share(r, bandwidth) for r in fused}})
+    served = _served_row(d)
+    if served.get("ahead"):
+        rows.append({"part": "batch 1 as served (decode-ahead windows): ms per token", "b1": served["step_ms"]})
+        rows.append({"part": "  engine steps per token", "b1": served["engine_steps"] / served["tokens"]})
+        rows.append({"part": "  achieved GB/s", "b1": served["achieved_gbs"]})
+        rows.append({"part": "  share of read bandwidth read alongside (the target's)", "b1": _share(served, bandwidth)})
     if all(r.get("fused_phases_ms") for r in fused):
         rows.append({"part": "  the fused call by phase, ms per step (thread means):"})
         rows += [{"part": f"    {name}", **{f"b{r['batch']}": r["fused_phases_ms"][name] for r in fused}}
@@ -718,7 +743,8 @@ def ab_by_step(model: str | None = None, *, dtypes: tuple[str, ...], rounds: int
     log(common.machine_line(info))
     t_start = time.perf_counter()
     engines = {d: InferqOffline(model_dir, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048,
-                                **VARIANTS[d][0]).new_engine(enable_prefix_cache=False) for d in dtypes}
+                                **VARIANTS[d][0]).new_engine(enable_prefix_cache=False, decode_ahead_ms=0.0)
+               for d in dtypes}  # one token per step: the formats' steps, taken in turn
     ids = engines[dtypes[0]].encode(messages=(prompts(200) if quick else prompts())[0])
     step_s: dict[str, list[float]] = {d: [] for d in dtypes}
     for r in range(rounds):

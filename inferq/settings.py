@@ -94,6 +94,12 @@ class Settings(BaseSettings):
     speculative_max_step_tokens: int = Field(
         32, ge=1, description="Proposals are made only while a step's decode tokens plus proposals stay "
         "within this: a larger step is compute-bound and speculation would only cost.")
+    decode_ahead_ms: float = Field(
+        20.0, ge=0, description="A request decoding alone (nothing else running or waiting) gets several tokens "
+        "per engine step, one forward each, for up to about this many milliseconds of steps (sized from the last "
+        "steps' time): the scheduling, postprocessing and streaming around a step are paid once per window. A "
+        "request arriving meanwhile waits for the window's end at most. Output is unchanged (the same forward "
+        "and sampler per token). 0: one token per step.")
     quantization: Literal["none", "auto", "int8", "w8a16", "w8a8", "int4", "w4a8"] = Field(
         "none", description="Weight quantisation (CPU): none; int8 (per-channel weights; activations float, or int8 "
         "in blocks of 32 where measured faster); w8a16 (int8, float activations only); w8a8 (int8, and torch's per-token int8 activations where our "

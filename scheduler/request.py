@@ -108,6 +108,9 @@ class Request:
     # Speculative decoding: tokens proposed for the positions after the last known one, verified by the
     # next step (set by the engine's proposer, consumed or dropped by the scheduler); running totals.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Decode ahead (worker/engine.py): this step's spec_token_ids are placeholders for tokens the runner makes
+    # one forward at a time, not guesses to verify (not counted as speculation).
+    decode_ahead: bool = False
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
     num_spec_drafts: int = 0  # verified steps that held at least one proposal

@@ -348,6 +348,7 @@ class Scheduler:
         self.running.remove(req)
         self.bm.free(req)
         req.spec_token_ids = []
+        req.decode_ahead = False
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -390,10 +391,12 @@ class Scheduler:
         """Count a verified step's proposals; returns how many computed positions held rejected ones (their
         KV is dropped: the slots are reused, the blocks past the cache's end returned by ``trim``)."""
         k = len(req.spec_token_ids)
-        req.num_spec_proposed += k
-        req.num_spec_accepted += accepted
-        req.num_spec_drafts += 1 if k else 0
+        if not req.decode_ahead:
+            req.num_spec_proposed += k
+            req.num_spec_accepted += accepted
+            req.num_spec_drafts += 1 if k else 0
         req.spec_token_ids = []
+        req.decode_ahead = False
         return k - accepted
 
     @staticmethod

@@ -21,6 +21,8 @@ from worker.step_pacer import StepPacer
 
 log = get_logger(__name__)
 
+MAX_AHEAD = 16  # most tokens of a decode-ahead window (_plan_ahead)
+
 
 @dataclass
 class EngineStats:
@@ -130,6 +132,7 @@ class LLMEngine:
                                 floor=min(settings.max_num_seqs, settings.max_batched_tokens))
                       if settings.interactive_step_ms > 0 else None)
         self.speculation = _make_speculation(settings, runner)
+        self._lone_token_s: float | None = None  # the last lone decode step's seconds per token (_plan_ahead)
         self.stats = EngineStats()
         self._tracks: dict[str, _Track] = {}
         self._done: dict[str, _Track] = {}  # tracks finished during the current step (still charged)
@@ -189,6 +192,7 @@ class LLMEngine:
         self._done.clear()
         if self.speculation is not None:
             self.speculation.propose(self.scheduler.running)
+        ahead = self._plan_ahead()
         sched = self.scheduler.schedule()
         outputs = [self._final(r, time.monotonic()) for r in sched.finished if r.request_id in self._tracks]
         if not sched.scheduled:
@@ -197,6 +201,7 @@ class LLMEngine:
             self.speculation.fill(sched.scheduled)
         usage = self.block_manager.usage
         before = [req.num_output_tokens for req, _ in sched.scheduled]
+        lone = len(sched.scheduled) == 1 and sched.scheduled[0][0].is_decoding  # its time sizes _plan_ahead's window
         sampled = self.runner.execute(sched.scheduled)
         self.scheduler.postprocess(sched, sampled)
         now = time.monotonic()
@@ -215,6 +220,10 @@ class LLMEngine:
             outputs.append(self._token_output(tr, req.output_token_ids[n_before:], now))
         # Charge the step's wall time to the requests in it, by tokens (sums to busy_seconds).
         dt = time.perf_counter() - t0
+        if ahead is not None:
+            ahead.decode_ahead = False  # (postprocess clears it too, unless the request was aborted mid-step)
+        if lone:
+            self._lone_token_s = dt / (len(sampled[0]) if isinstance(sampled[0], list) and sampled[0] else 1)
         total = sched.num_batched_tokens
         for req, n in sched.scheduled:
             track = self._tracks.get(req.request_id) or self._done[req.request_id]
@@ -233,6 +242,27 @@ class LLMEngine:
         st.preemptions = self.scheduler.num_preemptions
         st.prefix_hit_rate = self.block_manager.hit_rate
         return outputs
+
+    def _plan_ahead(self) -> Request | None:
+        """Decode ahead: a request decoding alone (nothing else running or waiting) gets placeholders for the
+        tokens after its next one, as many as fit in ``decode_ahead_ms`` at the last lone step's time per
+        token; the scheduler grants them slots as it grants proposals, and the runner makes them one forward
+        each (ModelRunner.execute). Why: at one sequence the Python around a step (scheduling, postprocessing,
+        detokenising, streaming) is a tenth of a quantised model's step, and this pays it once per window.
+        Returns the request, or None when no window is planned."""
+        budget = self.settings.decode_ahead_ms / 1000
+        if (budget <= 0 or self.speculation is not None or not getattr(self.runner, "supports_decode_ahead", False)
+                or len(self.scheduler.running) != 1 or self.scheduler.num_waiting):
+            return None
+        req = self.scheduler.running[0]
+        if not req.is_decoding or self._lone_token_s is None:
+            return None
+        k = min(int(budget / max(self._lone_token_s, 1e-4)), MAX_AHEAD) - 1
+        k = min(k, req.max_total_tokens - req.num_tokens - 1)
+        if k <= 0:
+            return None
+        req.spec_token_ids, req.decode_ahead = [0] * k, True
+        return req
 
     def _token_output(self, tr: _Track, tokens: list[int], now: float) -> RequestOutput:
         """The text delta of a step's new tokens; a stop string ends the request at the token completing it

@@ -338,6 +338,8 @@ class ModelRunner:
         """
         if not batch:
             return []
+        if len(batch) == 1 and batch[0][0].decode_ahead and batch[0][0].spec_token_ids:
+            return [self._decode_ahead(*batch[0])]
         step, logits = self._forward(batch)
         results: list[int | list[int] | None] = [None] * len(batch)
         if step.sample_rows.size == 0:
@@ -355,6 +357,37 @@ class ModelRunner:
                 results[int(step.order[row])] = _accept(req.spec_token_ids, tokens[at:at + c])
             at += c
         return results
+
+    supports_decode_ahead = True  # worker/engine.py's _plan_ahead hands this runner decode-ahead windows
+
+    def _decode_ahead(self, req: Request, n: int) -> list[int]:
+        """A decode-ahead window (worker/engine.py, ``_plan_ahead``): up to ``n`` tokens of one decoding request,
+        one forward each (the token just chosen is the next one's input), at the slots the scheduler granted
+        its placeholders. Each token is sampled as plain decoding samples it (same sampler, same output index),
+        so greedy and seeded output is unchanged. Stops after an end token; the postprocess drops the rest."""
+        bs, dev, sp = self.block_size, self.device, req.sampling
+        pos0, last = req.num_computed_tokens, req.num_computed_tokens + n - 1
+        if n != 1 + len(req.spec_token_ids) or pos0 + 1 != req.num_tokens:
+            raise ValueError(f"request {req.request_id}: a decode-ahead window of {n} tokens at {pos0} computed "
+                             f"of {req.num_tokens}")
+        if last >= self.info.max_model_len:
+            raise ValueError(f"position {last} is beyond the model's context ({self.info.max_model_len})")
+        table = self._block_tables([req], np.array([last + 1]))
+        token = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+        rows, qsl = torch.zeros(1, dtype=torch.long, device=dev), np.array([0, 1])
+        tokens: list[int] = []
+        for pos in range(pos0, last + 1):
+            meta = AttentionMetadata.build(
+                slot_mapping=np.array([int(table[0, pos // bs]) * bs + pos % bs]), block_tables=table,
+                seq_lens=np.array([pos + 1]), query_start_loc=qsl, block_size=bs, device=dev, scale=self.model.scale)
+            logits = self.model.forward(torch.tensor([token], device=dev), torch.tensor([pos], device=dev),
+                                        self.kv_caches, meta, self.backend, logits_indices=rows, max_position=pos)
+            token = self.sampler.sample(logits, [sp], [req.num_output_tokens + len(tokens)])[0]
+            tokens.append(int(token))
+            if token in stops:
+                break
+        return tokens
 
     @torch.inference_mode()
     def compute_logits(self, batch: Sequence[tuple[Request, int]]) -> list[torch.Tensor | None]:

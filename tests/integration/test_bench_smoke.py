@@ -158,7 +158,10 @@ def test_latency_smoke(tiny, tmp_path):
         assert all(r["median_ms"] > 0 and r["share_of_read"] > 0 for r in ws["rows"])
     else:
         assert ws is None
-    assert [(r["batch"], r["fused"]) for r in d["breakdown"]] == [(b, f) for f in (False, True) for b in (1, 2, 4)]
+    assert [(r["batch"], r["fused"], r["ahead"]) for r in d["breakdown"]] == [
+        *((b, f, False) for f in (False, True) for b in (1, 2, 4)), (1, True, True)]  # then batch 1 as served
+    served = d["breakdown"][-1]  # decode-ahead windows: fewer engine steps than tokens
+    assert served["tokens"] >= 6 and served["engine_steps"] < served["tokens"]
     for row in d["breakdown"]:
         parts = row["parts_ms"]
         # fused: the layers are one call, and the LM head inside it too where the head is in panels

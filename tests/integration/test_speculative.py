@@ -32,8 +32,9 @@ def tiny_model(request, tmp_path_factory):
 
 
 def engine(model_dir, **opts) -> LLMEngine:
+    # plain decoding is one token per step (no decode-ahead windows: tests/integration/test_decode_ahead.py)
     base = dict(model=str(model_dir), device="cpu", dtype="float32", block_size=4, kv_cache_memory="256KiB",
-                torch_threads=1)
+                torch_threads=1, decode_ahead_ms=0.0)
     return LLMEngine(Settings(**{**base, **opts}))
 
 
