@@ -132,6 +132,7 @@ class DecodeStep:
         self.lib = lib
         self.kv_caches = kv_caches
         self.steps = 0  # fused steps run (tests check the path was taken)
+        self.window_steps = 0  # of which from run_decode (decode-ahead windows)
         self._keep: list[torch.Tensor] = []  # float32 biases and norm weights, alive as long as the pointers are
         layers = (_Layer * len(model.layers))()
         # an early-exit draft (worker/draft.py) has fewer layers than the caches
@@ -210,27 +211,44 @@ class DecodeStep:
         last residual stream): rot ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots,
         block tables and lengths from ``meta`` (the leading decodes, then the chunks of several tokens). Where :attr:`has_head`, the logits
         (float32 ``[len(rows), vocab]``, or every row's where ``rows`` is None) too; else None."""
-        assert x.dtype == torch.float32 and x.is_contiguous() and rot.is_contiguous()  # the C side's row strides
         plan = meta.cache.get("decode_step")
         if plan is None:
             plan = meta.cache["decode_step"] = _step_plan(meta)
+        logits = None
+        if self.has_head:
+            if rows is not None:
+                rows = rows.to(torch.int64).contiguous()
+            logits = torch.empty((x.shape[0] if rows is None else rows.shape[0], self.args.V), dtype=torch.float32)
+        self.call(x, rot, plan, rows, logits)
+        return logits
+
+    def run_decode(self, x: torch.Tensor, rot: torch.Tensor, slot: torch.Tensor, table: torch.Tensor,
+                   length: torch.Tensor, logits: torch.Tensor) -> None:
+        """One sequence's decode step from its own tensors, no metadata (a decode-ahead window, worker/model.py
+        ``decode_window``): x float32 ``[1, H]``, rot ``[1, D/2, 2]``, slot int64 ``[1]``, table int32
+        ``[1, blocks]``, length int32 ``[1]`` (the sequence's tokens, this one included, as read by the C side
+        now); the logits go to ``logits`` float32 ``[1, vocab]`` (needs :attr:`has_head`)."""
+        assert self.has_head
+        self.window_steps += 1
+        self.call(x, rot, (slot, (1, table, length, int(length[0])), _NO_CHUNKS), None, logits)
+
+    def call(self, x: torch.Tensor, rot: torch.Tensor, plan, rows: torch.Tensor | None,
+             logits: torch.Tensor | None) -> None:
+        """The C step over ``x`` with the tables of ``plan`` (:func:`_step_plan`'s form); logits (where
+        :attr:`has_head`) into ``logits``, rows ``rows`` (int64) or every row."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and rot.is_contiguous()  # the C side's row strides
         slots, (nd, tables, lens, max_len), (np_, p_tables, starts, ctx) = plan
         a = self.args
         a.x, a.M, a.rot, a.slots = x.data_ptr(), x.shape[0], rot.data_ptr(), slots.data_ptr()
         a.nd, a.bt, a.bt_ss, a.lens, a.max_len = nd, tables.data_ptr(), tables.stride(0), lens.data_ptr(), max_len
         a.np, a.p_bt, a.p_bt_ss = np_, p_tables.data_ptr(), p_tables.stride(0)
         a.p_qs, a.p_ctx, a.p_first = starts.data_ptr(), ctx.data_ptr(), self._first.data_ptr()
-        logits = None
-        if self.has_head:
-            if rows is not None:
-                rows = rows.to(torch.int64).contiguous()
-            logits = torch.empty((x.shape[0] if rows is None else rows.shape[0], a.V), dtype=torch.float32)
+        if logits is not None:
             a.R, a.rows, a.logits = logits.shape[0], _ptr(rows), logits.data_ptr()
         err = self.lib.decode_step(ctypes.byref(a))
         self.steps += 1
         if err:
             raise RuntimeError(f"fused decode step failed (code {err}: 1 a shape the attention kernel does not take, 2 out of memory)")
-        return logits
 
 
 _NO_CHUNKS = (0, torch.zeros((0, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),

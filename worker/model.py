@@ -415,6 +415,38 @@ class CausalLM:
         logits = fused.run(x, rot, meta, logits_indices)  # rot: the C RoPE's (cos, sin) rows
         return logits, x.to(self.dtype)
 
+    def decode_window(self, kv_caches, backend: AttentionBackend, meta: AttentionMetadata, token: int,
+                      slots: torch.Tensor, table: torch.Tensor, pick: Callable[[torch.Tensor, int], int],
+                      stops: set[int]) -> list[int] | None:
+        """A decode-ahead window of one sequence (worker/model_runner.py ``_decode_ahead``) through the fused
+        step, with no per-token metadata: ``token`` first, then each token ``pick(logits, i)`` chooses, until
+        ``len(slots)`` tokens or one in ``stops``. ``meta``: the first token's (it decides whether the fused step
+        applies); ``slots`` int64 ``[n]`` and ``table`` int32 ``[1, blocks]`` cover the window. Per token, the
+        embedding row, the C step (logits into one buffer) and ``pick`` are all that runs. Returns the tokens, or
+        None where the fused step with the LM head inside does not run: the caller then goes token by token."""
+        step = self._fused_step(kv_caches, meta, 1, backend)
+        if step is None or not step.has_head:
+            return None
+        n, pos0 = len(slots), int(meta.seq_lens_host[0]) - 1
+        positions = torch.arange(pos0, pos0 + n)
+        if self.dtype != torch.float32:  # as _run_fused: float32 rows, rotate-half
+            rot = self._rope_rows(positions)
+        else:
+            rot = torch.view_as_real(self._rope(positions, pos0 + n - 1)[0]).contiguous()
+        length, ids = torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.long)
+        logits = torch.empty((1, step.args.V), dtype=torch.float32)
+        out: list[int] = []
+        for i in range(n):
+            ids[0], length[0] = token, pos0 + i + 1
+            x = self._embed_rows(ids)
+            step.run_decode(x if x.dtype == torch.float32 else x.float(), rot[i : i + 1], slots[i : i + 1], table,
+                            length, logits)
+            token = pick(logits, i)
+            out.append(token)
+            if token in stops:
+                break
+        return out
+
     def use_decode_step(self, on: bool) -> None:
         """Run qualifying decode steps as one C call (kernels/decode_step.py; the default) or op by op (tests
         and benchmarks compare both)."""

@@ -373,18 +373,32 @@ class ModelRunner:
         if last >= self.info.max_model_len:
             raise ValueError(f"position {last} is beyond the model's context ({self.info.max_model_len})")
         table = self._block_tables([req], np.array([last + 1]))
+        positions = np.arange(pos0, last + 1)
+        slots = table[0, positions // bs].astype(np.int64) * bs + positions % bs
         token = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
-        rows, qsl = torch.zeros(1, dtype=torch.long, device=dev), np.array([0, 1])
-        tokens: list[int] = []
-        for pos in range(pos0, last + 1):
-            meta = AttentionMetadata.build(
-                slot_mapping=np.array([int(table[0, pos // bs]) * bs + pos % bs]), block_tables=table,
-                seq_lens=np.array([pos + 1]), query_start_loc=qsl, block_size=bs, device=dev, scale=self.model.scale)
+        qsl, first = np.array([0, 1]), req.num_output_tokens
+
+        def meta_at(i: int) -> AttentionMetadata:
+            return AttentionMetadata.build(slot_mapping=slots[i : i + 1], block_tables=table,
+                                           seq_lens=positions[i : i + 1] + 1, query_start_loc=qsl, block_size=bs,
+                                           device=dev, scale=self.model.scale)
+
+        def pick(logits: torch.Tensor, i: int) -> int:
+            return int(self.sampler.sample(logits, [sp], [first + i])[0])
+
+        if dev.type == "cpu":  # the fused step's own loop, where it runs
+            window = self.model.decode_window(self.kv_caches, self.backend, meta_at(0), token,
+                                              torch.from_numpy(slots), torch.from_numpy(table), pick, stops)
+            if window is not None:
+                return window
+        rows, tokens = torch.zeros(1, dtype=torch.long, device=dev), []
+        for i, pos in enumerate(positions.tolist()):
             logits = self.model.forward(torch.tensor([token], device=dev), torch.tensor([pos], device=dev),
-                                        self.kv_caches, meta, self.backend, logits_indices=rows, max_position=pos)
-            token = self.sampler.sample(logits, [sp], [req.num_output_tokens + len(tokens)])[0]
-            tokens.append(int(token))
+                                        self.kv_caches, meta_at(i), self.backend, logits_indices=rows,
+                                        max_position=pos)
+            token = pick(logits, i)
+            tokens.append(token)
             if token in stops:
                 break
         return tokens

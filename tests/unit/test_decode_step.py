@@ -376,3 +376,59 @@ def test_float8_conversion_is_torchs():
     got = torch.tensor([lib.f8_from_f32(float(v)) for v in x.tolist()], dtype=torch.uint8)
     bad = (got != want).nonzero().flatten()
     assert not len(bad), [(float(x[i]), int(got[i]), int(want[i])) for i in bad[:5]]
+
+
+def _engine_tokens(runner, ahead: bool, params: SamplingParams, prompt_list) -> tuple[list[list[int]], int]:
+    """Each prompt alone through an engine on ``runner`` (decode-ahead windows or one token per step): the
+    tokens, and the engine steps taken."""
+    from inferq.settings import Settings
+    from worker.engine import LLMEngine
+
+    settings = Settings(model=str(runner.model_dir), device="cpu", block_size=BLOCK,
+                        decode_ahead_ms=1000.0 if ahead else 0.0)
+    engine = LLMEngine(settings, runner=runner, tokenizer=None)
+    out = []
+    for i, p in enumerate(prompt_list):
+        engine.add_request(Request(f"w{i}", p, params))
+        tokens = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens += o.new_token_ids or []
+        out.append(tokens)
+    return out, engine.stats.steps
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("head", [True, False])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_decode_ahead_windows_run_the_fused_step_with_unchanged_output(tiny_dirs, arch, head, sampling):
+    """A decode-ahead window on the fused step (``CausalLM.decode_window``: no per-token metadata, the head's
+    logits into one buffer) where the head is in panels; token by token through the forward where it is not.
+    Either way the tokens equal one-token steps' on the same runner, across blocks of 4."""
+    params = (SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True) if sampling == "greedy" else
+              SamplingParams(max_tokens=37, temperature=0.9, top_k=8, seed=5, ignore_eos=True))
+    runner = packed_runner(tiny_dirs[arch], head=head)
+    plain, plain_steps = _engine_tokens(runner, False, params, prompts(3, seed=11))
+    step = runner.model._decode_step
+    assert step is not None and step.window_steps == 0
+    ahead, ahead_steps = _engine_tokens(runner, True, params, prompts(3, seed=11))
+    assert ahead == plain and all(len(t) == 37 for t in ahead)
+    assert ahead_steps < plain_steps // 4
+    step = runner.model._decode_step
+    assert (step.window_steps > 3 * 30) == head and (step.window_steps == 0) == (not head)
+
+
+@pytest.mark.skipif(not model_module.cpu_half_gemm_is_native(),
+                    reason="a bfloat16 model computes in bfloat16 only where the CPU multiplies it natively")
+def test_decode_ahead_window_of_a_bfloat16_model(tiny_dirs):
+    """A bfloat16 model's window takes the fused step's float32 rows (rotate-half RoPE rows, widened embedding):
+    the same tokens as its one-token fused steps."""
+    runner = ModelRunner(tiny_dirs["qwen2"], block_size=BLOCK, device="cpu", kv_cache_bytes=1 << 20, dtype="bfloat16")
+    model = runner.model
+    for lin in [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]:
+        _decode_panels(lin)
+    _decode_panels(model.lm_head)
+    params = SamplingParams(max_tokens=29, temperature=0.0, ignore_eos=True)
+    plain, _ = _engine_tokens(runner, False, params, prompts(2, seed=4))
+    ahead, _ = _engine_tokens(runner, True, params, prompts(2, seed=4))
+    assert ahead == plain and model._decode_step.window_steps > 2 * 20
