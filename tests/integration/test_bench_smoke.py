@@ -162,7 +162,9 @@ def test_latency_smoke(tiny, tmp_path):
         *((b, f, False) for f in (False, True) for b in (1, 2, 4)), (1, True, True)]  # then batch 1 as served
     served = d["breakdown"][-1]  # decode-ahead windows: fewer engine steps than tokens
     assert served["tokens"] >= 6 and served["engine_steps"] < served["tokens"]
-    for row in d["breakdown"]:
+    assert served["parts_ms"]["runner (forwards, sampling)"] > 0
+    assert abs(sum(served["parts_ms"].values()) - served["step_ms"]) < 1e-6 * served["step_ms"]
+    for row in d["breakdown"][:-1]:
         parts = row["parts_ms"]
         # fused: the layers are one call, and the LM head inside it too where the head is in panels
         named = (("sampling",) if row["head_in_step"] else ("lm_head", "sampling")) if row["fused"] else (
