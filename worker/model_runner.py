@@ -387,9 +387,10 @@ class ModelRunner:
         def pick(logits: torch.Tensor, i: int) -> int:
             return int(self.sampler.sample(logits, [sp], [first + i])[0])
 
-        if dev.type == "cpu":  # the fused step's own loop, where it runs
-            window = self.model.decode_window(self.kv_caches, self.backend, meta_at(0), token,
-                                              torch.from_numpy(slots), torch.from_numpy(table), pick, stops)
+        decode_window = getattr(self.model, "decode_window", None)  # not on a tensor-parallel driver
+        if dev.type == "cpu" and decode_window is not None:  # the fused step's own loop, where it runs
+            window = decode_window(self.kv_caches, self.backend, meta_at(0), token, torch.from_numpy(slots),
+                                   torch.from_numpy(table), pick, stops)
             if window is not None:
                 return window
         rows, tokens = torch.zeros(1, dtype=torch.long, device=dev), []
