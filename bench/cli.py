@@ -58,6 +58,8 @@ def bench(
     quick: Annotated[bool, typer.Option(help="Tiny sizes (a smoke run, seconds).")] = False,
     ab: Annotated[bool, typer.Option(help="latency: only the dtypes' decode steps taken in turn in one process "
                                           "(median step time and ratio to the first dtype).")] = False,
+    ahead: Annotated[str | None, typer.Option(help="latency: only decode-ahead budgets (ms, comma-separated, e.g. "
+                                                   "0,20,40) taken in turn chat by chat, per dtype.")] = None,
     allow_slow_half: Annotated[bool, typer.Option(help="throughput: run bfloat16/float16 even on a CPU without a "
                                                        "native half-precision GEMM (hours, not minutes).")] = False,
 ) -> None:
@@ -189,7 +191,11 @@ def bench(
     elif name == "latency":
         from bench import latency
 
-        if ab:
+        if ahead:
+            for d in dtypes or ("float32",):
+                latency.ahead_ab(model, dtype=d, budgets=tuple(float(x) for x in _csv(ahead)),
+                                 max_tokens=max_output or 128, quick=quick, **({"tag": f"latency-ahead-{d}"} | kw))
+        elif ab:
             latency.ab_by_step(model, dtypes=dtypes or ("float32",), max_tokens=max_output or 128, quick=quick,
                                **({"tag": "latency-ab"} | kw))
         else:

