@@ -221,7 +221,7 @@ class LLMEngine:
         # Charge the step's wall time to the requests in it, by tokens (sums to busy_seconds).
         dt = time.perf_counter() - t0
         if ahead is not None:
-            ahead.decode_ahead = False  # (postprocess clears it too, unless the request was aborted mid-step)
+            ahead.decode_ahead = False  # (postprocess clears it where the window ran, not where no slot was granted)
         if lone:
             self._lone_token_s = dt / (len(sampled[0]) if isinstance(sampled[0], list) and sampled[0] else 1)
         total = sched.num_batched_tokens
