@@ -41,8 +41,11 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _engine(model_dir: Path, tp: int, **overrides) -> LLMEngine:
+    # One token per step (no decode-ahead windows): _greedy compares the forwards' logits step by step, and at
+    # TP=1 a window may run on the fused step without calling forward at all (where the planner chose panels).
     opts = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_memory="1MiB", block_size=4,
-                max_num_seqs=4, max_batched_tokens=16, interactive_step_ms=0, tensor_parallel_size=tp)
+                max_num_seqs=4, max_batched_tokens=16, interactive_step_ms=0, tensor_parallel_size=tp,
+                decode_ahead_ms=0.0)
     return LLMEngine(Settings(**{**opts, **overrides}))
 
 
