@@ -382,13 +382,21 @@ class Bench:
                 self._e2e_run(engine, self._e2e_requests(engine, 2, 8, "warm"))
                 row, outputs[backend] = self._e2e_run(engine, self._e2e_requests(engine, args.e2e_requests,
                                                                                   args.e2e_output, "r"))
-                one, _ = self._e2e_run(engine, self._e2e_requests(engine, 1, args.e2e_output, "one"))
-                row["decode_step_ms_batch1"] = one["decode_step_ms"]
+                for ahead in (0.0, 20.0):  # one sequence alone: one token per step, then decode-ahead windows
+                    alone = LLMEngine(settings.model_copy(update={"decode_ahead_ms": ahead}), runner=engine.runner,
+                                      tokenizer=engine.tokenizer)
+                    one, _ = self._e2e_run(alone, self._e2e_requests(alone, 1, args.e2e_output, "one"))
+                    row[f"batch1_ahead{ahead:g}ms"] = {k: one[k] for k in ("decode_step_ms", "decode_ms_per_token",
+                                                                           "steps")}
+                    print(f"e2e {backend:6s}: one sequence, decode_ahead_ms={ahead:g}: "
+                          f"{one['decode_ms_per_token']:.2f} ms per token ({1e3 / one['decode_ms_per_token']:,.0f} "
+                          f"tok/s), {one['steps']} steps")
+                row["decode_step_ms_batch1"] = row["batch1_ahead0ms"]["decode_step_ms"]
                 res[backend] = row
                 print(f"e2e {backend:6s}: {args.e2e_requests} requests x ({args.e2e_prompt} prompt + "
                       f"{args.e2e_output} output): {row['wall_s']:.2f} s, {row['output_tok_s']:,.0f} output tok/s; "
                       f"decode step {row['decode_step_ms']:.2f} ms at {args.e2e_requests} sequences, "
-                      f"{one['decode_step_ms']:.2f} ms at one")
+                      f"{row['decode_step_ms_batch1']:.2f} ms at one")
                 del engine
                 self.torch.cuda.empty_cache()
             except Exception as exc:  # noqa: BLE001 - optional section
@@ -422,20 +430,25 @@ class Bench:
         for r in reqs:
             engine.add_request(r)
         steps: list[tuple[float, bool]] = []  # (seconds, whether a prompt was still being prefilled)
+        decode_tokens = 0
         sync()
         t0 = time.perf_counter()
         while engine.has_unfinished():
             prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs)
+            before = sum(len(r.output_token_ids) for r in reqs)
             s0 = time.perf_counter()
             engine.step()
             sync()
             steps.append((time.perf_counter() - s0, prefilling))
+            if not prefilling:
+                decode_tokens += sum(len(r.output_token_ids) for r in reqs) - before
         wall = time.perf_counter() - t0
         decode = sorted(t for t, prefilling in steps if not prefilling)
         gen = sum(len(r.output_token_ids) for r in reqs)
         row = {"wall_s": wall, "generated_tokens": gen, "output_tok_s": gen / wall,
                "total_tok_s": (gen + self.args.e2e_prompt * len(reqs)) / wall, "steps": len(steps),
-               "decode_step_ms": 1e3 * decode[len(decode) // 2] if decode else float("nan")}
+               "decode_step_ms": 1e3 * decode[len(decode) // 2] if decode else float("nan"),
+               "decode_ms_per_token": 1e3 * sum(decode) / decode_tokens if decode_tokens else float("nan")}
         return row, {r.request_id: list(r.output_token_ids) for r in reqs}
 
 
