@@ -382,16 +382,28 @@ class Bench:
                 self._e2e_run(engine, self._e2e_requests(engine, 2, 8, "warm"))
                 row, outputs[backend] = self._e2e_run(engine, self._e2e_requests(engine, args.e2e_requests,
                                                                                   args.e2e_output, "r"))
-                for ahead in (0.0, 20.0):  # one sequence alone: one token per step, then decode-ahead windows
+                graphs = engine.runner.graphs
+                # one sequence alone: eager steps, CUDA-graph replays (where the backend has them), then
+                # replays in decode-ahead windows
+                for label, replay, ahead in (("eager", False, 0.0), ("graphs", True, 0.0), ("graphs", True, 20.0)):
+                    if replay and graphs is None:
+                        continue
+                    engine.runner.graphs = graphs if replay else None
                     alone = LLMEngine(settings.model_copy(update={"decode_ahead_ms": ahead}), runner=engine.runner,
                                       tokenizer=engine.tokenizer)
                     one, _ = self._e2e_run(alone, self._e2e_requests(alone, 1, args.e2e_output, "one"))
-                    row[f"batch1_ahead{ahead:g}ms"] = {k: one[k] for k in ("decode_step_ms", "decode_ms_per_token",
-                                                                           "steps")}
-                    print(f"e2e {backend:6s}: one sequence, decode_ahead_ms={ahead:g}: "
+                    row[f"batch1_{label}_ahead{ahead:g}ms"] = {k: one[k] for k in ("decode_step_ms",
+                                                                                   "decode_ms_per_token", "steps")}
+                    print(f"e2e {backend:6s}: one sequence, {label}, decode_ahead_ms={ahead:g}: "
                           f"{one['decode_ms_per_token']:.2f} ms per token ({1e3 / one['decode_ms_per_token']:,.0f} "
                           f"tok/s), {one['steps']} steps")
-                row["decode_step_ms_batch1"] = row["batch1_ahead0ms"]["decode_step_ms"]
+                engine.runner.graphs = None
+                eager, _ = self._e2e_run(engine, self._e2e_requests(engine, args.e2e_requests, args.e2e_output, "e"))
+                row["eager_decode_step_ms"] = eager["decode_step_ms"]
+                print(f"e2e {backend:6s}: {args.e2e_requests} requests, eager steps: decode step "
+                      f"{eager['decode_step_ms']:.2f} ms (the run above: {row['decode_step_ms']:.2f} ms)")
+                engine.runner.graphs = graphs
+                row["decode_step_ms_batch1"] = row["batch1_eager_ahead0ms"]["decode_step_ms"]
                 res[backend] = row
                 print(f"e2e {backend:6s}: {args.e2e_requests} requests x ({args.e2e_prompt} prompt + "
                       f"{args.e2e_output} output): {row['wall_s']:.2f} s, {row['output_tok_s']:,.0f} output tok/s; "

@@ -100,6 +100,10 @@ class Settings(BaseSettings):
         "steps' time): the scheduling, postprocessing and streaming around a step are paid once per window. A "
         "request arriving meanwhile waits for the window's end at most. Output is unchanged (the same forward "
         "and sampler per token). 0: one token per step.")
+    cuda_graph_max_batch: int = Field(
+        64, ge=0, description="On a CUDA device with Triton attention, decode steps of up to this many sequences "
+        "replay CUDA graphs captured at start (one per batch-size bucket: 1, 2, 4, ...): one launch per step "
+        "instead of some thirty per layer, which is what bounds a small model's step there. 0: every step eager.")
     quantization: Literal["none", "auto", "int8", "w8a16", "w8a8", "int4", "w4a8"] = Field(
         "none", description="Weight quantisation (CPU): none; int8 (per-channel weights; activations float, or int8 "
         "in blocks of 32 where measured faster); w8a16 (int8, float activations only); w8a8 (int8, and torch's per-token int8 activations where our "

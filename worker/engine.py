@@ -111,6 +111,7 @@ class LLMEngine:
                 tensor_parallel_size=settings.tensor_parallel_size,
                 tensor_parallel_timeout=settings.tensor_parallel_timeout_seconds,
                 quantization=settings.quantization, quantization_group_size=settings.quantization_group_size,
+                cuda_graph_max_batch=settings.cuda_graph_max_batch,
             )
             if tokenizer is None:
                 from transformers import AutoTokenizer

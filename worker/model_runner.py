@@ -156,6 +156,7 @@ class ModelRunner:
         tensor_parallel_timeout: float = 60.0,
         quantization: str = "none",
         quantization_group_size: int = 32,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         if torch_threads:
             torch.set_num_threads(int(torch_threads))
@@ -183,6 +184,7 @@ class ModelRunner:
         else:
             self.backend = attention_backend
         self.sampler = Sampler(self.device, seed=seed)
+        self.graphs = self._decode_graphs(int(cuda_graph_max_batch))
         log.info("model runner ready", model_dir=str(self.model_dir), device=str(self.device), dtype=self.info.dtype,
                  kv_blocks=self.num_blocks, block_size=self.block_size, threads=torch.get_num_threads(),
                  attention=getattr(self.backend, "name", type(self.backend).__name__))
@@ -203,6 +205,18 @@ class ModelRunner:
                  kv_bytes_per_token=self.kv_bytes_per_token, weight_bytes=self.weight_bytes)
         self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype,
                                                       prefault=prefault)
+
+    def _decode_graphs(self, max_batch: int):
+        """Decode steps of up to ``max_batch`` sequences replayed as CUDA graphs (worker/cuda_graphs.py), where
+        they apply: a CUDA device, the Triton attention (the torch one plans on device values) and the model in
+        this process. None elsewhere."""
+        if (max_batch <= 0 or self.device.type != "cuda" or getattr(self.backend, "name", None) != "triton"
+                or not isinstance(self.model, CausalLM)):
+            return None
+        from worker.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.kv_caches, self.backend, block_size=self.block_size,
+                            max_model_len=self.info.max_model_len, max_batch=min(max_batch, self.max_num_seqs))
 
     # -- batch preparation ---------------------------------------------------------------------------
 
@@ -303,6 +317,10 @@ class ModelRunner:
         max_pos = int(step.seq_lens.max()) - 1
         if max_pos >= self.info.max_model_len:
             raise ValueError(f"position {max_pos} is beyond the model's context ({self.info.max_model_len})")
+        if self.graphs is not None and len(step.input_ids) == len(step.requests) == step.sample_rows.size:
+            logits = self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.block_tables)
+            if logits is not None:  # a plain decode step, replayed
+                return step, logits
         meta = AttentionMetadata.build(
             slot_mapping=step.slot_mapping,
             block_tables=step.block_tables,
@@ -395,9 +413,12 @@ class ModelRunner:
                 return window
         rows, tokens = torch.zeros(1, dtype=torch.long, device=dev), []
         for i, pos in enumerate(positions.tolist()):
-            logits = self.model.forward(torch.tensor([token], device=dev), torch.tensor([pos], device=dev),
-                                        self.kv_caches, meta_at(i), self.backend, logits_indices=rows,
-                                        max_position=pos)
+            logits = (self.graphs.run([token], positions[i : i + 1], slots[i : i + 1], table)
+                      if self.graphs is not None else None)
+            if logits is None:
+                logits = self.model.forward(torch.tensor([token], device=dev), torch.tensor([pos], device=dev),
+                                            self.kv_caches, meta_at(i), self.backend, logits_indices=rows,
+                                            max_position=pos)
             token = pick(logits, i)
             tokens.append(token)
             if token in stops:

@@ -73,6 +73,10 @@ def test_greedy_on_cuda_matches_hf_generate(tiny_model, scenario, attention):
     assert engine.runner.backend.name == attention
     differ = mismatches(run_all(engine, greedy_requests(prompts, max_tokens)), expected)
     assert not differ, f"{scenario}/{attention}: requests {differ} differ from HF generate on the GPU"
+    if attention == "triton":  # decode steps replayed CUDA graphs (worker/cuda_graphs.py)
+        assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    else:
+        assert engine.runner.graphs is None
     if scenario == "tiny_pool":
         assert engine.stats.preemptions > 0
     else:
@@ -112,3 +116,14 @@ def test_decode_ahead_on_cuda_matches_hf_generate(tiny_model, attention):
     assert eng.stats.spec_proposed_tokens == 0
     seeded = {k: o.token_ids for k, o in alone(1000.0, seeded_requests())[1].items()}
     assert seeded == {k: o.token_ids for k, o in alone(0.0, seeded_requests())[1].items()}
+
+
+def test_seeded_sampling_same_with_and_without_cuda_graphs(tiny_model):
+    """Graph replays (worker/cuda_graphs.py: padded buckets, one staged copy) sample what eager steps sample."""
+    def sample(**opts):
+        eng = cuda_engine(tiny_model, attention_backend="triton", **opts)
+        outs = {k: o.token_ids for k, o in run_all(eng, seeded_requests()).items()}
+        return outs, eng.runner.graphs
+
+    (replayed, graphs), (eager, none) = sample(), sample(cuda_graph_max_batch=0)
+    assert replayed == eager and graphs.replays > 0 and none is None

@@ -332,6 +332,82 @@ def test_engine_greedy_matches_cpu_backend(tmp_path):
     assert cached["triton"] == cached["cpu"]
 
 
+class _EagerReplay:
+    """A captured decode step stood in by the same step run eagerly (no GPU: no CUDA graphs), its logits
+    copied into one buffer as a replay's are."""
+
+    def __init__(self, graphs, b: int) -> None:
+        self.graphs, self.b = graphs, b
+        self.logits = graphs._step(b).clone()
+
+    def replay(self) -> None:
+        self.logits.copy_(self.graphs._step(self.b))
+
+
+@pytest.mark.slow  # ~20 s interpreted
+def test_decode_graphs_replay_like_eager_steps(tmp_path):
+    """worker/cuda_graphs.py: the staged row, the pad rows of a bucket (3 sequences in bucket 4), steps too big
+    for any bucket (5 sequences) and decode-ahead windows give the tokens of eager steps, greedy and seeded.
+    On a GPU the graphs are captured for real; interpreted, each replay runs the recorded step eagerly."""
+    from transformers import AutoTokenizer
+
+    from inferq.settings import load_settings
+    from kernels import triton_backend
+    from scheduler.request import Request, SamplingParams
+    from tests.tiny_models import make_tiny_model
+    from worker.cuda_graphs import DecodeGraphs
+    from worker.engine import LLMEngine
+    from worker.model_runner import ModelRunner
+
+    class Graphs(DecodeGraphs):
+        def _record(self, b, pool):
+            if DEVICE == "cuda":
+                return super()._record(b, pool)
+            replay = _EagerReplay(self, b)
+            return replay, replay.logits
+
+    _interpreted_kernels()
+    model_dir = make_tiny_model(tmp_path, arch="llama", num_hidden_layers=1, num_attention_heads=6,
+                                num_key_value_heads=2, hidden_size=384)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def requests():
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (21, 3, 9, 5, 12)]
+        return [Request(request_id=f"r{i}", prompt_token_ids=p,
+                        sampling=SamplingParams(max_tokens=16 - 3 * i, temperature=0.0 if i % 2 else 0.8,
+                                                seed=i, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+
+    def run(graphs: bool, alone: bool):
+        settings = load_settings(device=DEVICE, dtype="float32", max_num_seqs=8, max_batched_tokens=32,
+                                 kv_cache_memory="4MiB", block_size=8, decode_ahead_ms=1000.0 if alone else 0.0,
+                                 cuda_graph_max_batch=0)
+        runner = ModelRunner(model_dir, dtype="float32", device=DEVICE, kv_cache_bytes=settings.kv_cache_bytes,
+                             block_size=8, max_num_seqs=8, max_batched_tokens=32,
+                             attention_backend=triton_backend.TritonBackend())
+        if graphs:
+            runner.graphs = Graphs(runner.model, runner.kv_caches, runner.backend, block_size=8,
+                                   max_model_len=runner.info.max_model_len, max_batch=4)
+        engine = LLMEngine(settings, runner=runner, tokenizer=tokenizer)
+        reqs = requests()
+        for r in reqs:
+            engine.add_request(r)
+            if alone:
+                engine.run_until_done()
+        engine.run_until_done()
+        return [list(r.output_token_ids) for r in reqs], runner.graphs, engine.stats.steps
+
+    for alone in (False, True):
+        eager, _, _ = run(False, alone)
+        replayed, graphs, steps = run(True, alone)
+        assert replayed == eager, alone
+        assert [len(t) for t in replayed] == [16, 13, 10, 7, 4]
+        assert graphs.buckets == [1, 2, 4] and graphs.replays > 0
+        if alone:  # windows ran, one replay per token after each request's first
+            assert steps < sum(len(t) for t in replayed) and graphs.replays == sum(len(t) - 1 for t in replayed)
+
+
 _AOT_SCRIPT = r"""
 import sys
 from triton.backends.compiler import GPUTarget
