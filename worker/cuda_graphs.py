@@ -13,7 +13,9 @@ What a captured step fixes, and how the real step fits it:
 * the attention launch: partitions are planned for the model's whole context (``max_model_len``), not this
   step's longest sequence; the kernel skips each sequence's partitions past its length;
 * the tensors: the graph's own. One pinned host row carries a step's ids, positions, slots, lengths and block
-  tables; one copy moves it and the graph's first kernels unpack it.
+  tables; one copy moves it and the graph's first kernels unpack it. The tables are as wide as the whole
+  context's blocks: 4 KB per sequence at 8k tokens and blocks of 16, 64 KB at 128k (cap ``max_model_len``
+  where the copy would matter).
 
 Only plain decode steps replay (one new token per sequence, each sampling, Triton attention, the model in this
 process); any other step runs eagerly as before.
