@@ -162,6 +162,15 @@ def _linear_bytes(p) -> int:
 
 
 
+def _triton_ops():
+    """kernels.triton_ops where Triton imports (a GPU's half-precision norms and RoPE), else None (torch ops)."""
+    try:
+        from kernels import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
 class CausalLM:
     """Llama/Qwen2/Mistral decoder with fused projections, run on a flattened batch."""
 
@@ -203,6 +212,7 @@ class CausalLM:
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope_cache(min(c.max_model_len, 8192))
         self._fast_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
+        self._triton_ops = _triton_ops() if device.type == "cuda" and dtype != torch.float32 else None
         # float32 or bfloat16 on CPU: one C call per norm, RoPE and SwiGLU (kernels/cpu_norm.py), a few us
         # instead of torch's chains of small ops
         self.use_c_ops(True)
@@ -309,6 +319,8 @@ class CausalLM:
             return cpu_norm.rms_norm(x, weight, self.config.rms_norm_eps, self._c_ops)
         if self._fast_norm:
             return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+        if self._triton_ops is not None and x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == x.dtype:
+            return self._triton_ops.rms_norm(x, weight, self.config.rms_norm_eps)  # one kernel, not eight
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
@@ -375,9 +387,12 @@ class CausalLM:
         h = self._norm(x, self.layers[0].input_norm) if self.layers and fused is None else x
         for i, layer in enumerate(self.layers if fused is None else ()):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
-            qk = self._rotate_qk(qkv, cos, sin, rot, c_ops)
-            q = qk[:, :hq]
-            k = qk[:, hq:]
+            if self._triton_ops is not None and qkv.stride(-1) == 1:  # RoPE into dense q and k, one kernel
+                q, k = self._triton_ops.rope_half(qkv, cos[:, 0], sin[:, 0], hq, hkv, d)
+            else:
+                qk = self._rotate_qk(qkv, cos, sin, rot, c_ops)
+                q = qk[:, :hq]
+                k = qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
             if self._contiguous_qkv:  # GPU kernels get dense tensors; on CPU the strided views are fine
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

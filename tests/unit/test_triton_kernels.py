@@ -332,6 +332,77 @@ def test_engine_greedy_matches_cpu_backend(tmp_path):
     assert cached["triton"] == cached["cpu"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,width", [(1, 576), (37, 576), (5, 4096), (3, 100)])
+def test_rms_norm_matches_the_torch_chain(dtype, rows, width):
+    """kernels/triton_ops.py against worker/model.py's torch chain (HF's two roundings): elements equal but for
+    the odd neighbouring half-precision value (the mean of squares is summed in another order); strided rows."""
+    from kernels import triton_ops
+
+    _interpreted_kernels()
+    g = torch.Generator().manual_seed(rows * width)
+    wide = (3 * torch.randn(rows, width + 8, generator=g)).to(dtype).to(DEVICE)
+    x = wide[:, 4 : 4 + width]  # rows strided, last dim contiguous
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(DEVICE)
+    xf = x.float()
+    ref = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out = triton_ops.rms_norm(x, weight, 1e-5)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    assert out.dtype == dtype and out.shape == (rows, width)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=0.0)
+    assert (out == ref).float().mean() >= 0.98
+    with pytest.raises(ValueError, match="half rows"):
+        triton_ops.rms_norm(x.float(), weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,hq,hkv,d", [(1, 9, 3, 64), (7, 4, 2, 128), (3, 2, 1, 48)])
+def test_rope_half_matches_the_torch_chain_bit_for_bit(dtype, tokens, hq, hkv, d):
+    """kernels/triton_ops.py's RoPE against worker/model.py's rotate-half chain (every product and sum rounded
+    to the half type): the same bits, in dense q and k; qkv rows strided as a fused projection's output."""
+    from kernels import triton_ops
+
+    _interpreted_kernels()
+    g = torch.Generator().manual_seed(tokens * d)
+    width = (hq + 2 * hkv) * d
+    qkv = (2 * torch.randn(tokens, width + 16, generator=g)).to(dtype).to(DEVICE)[:, :width]
+    freqs = torch.arange(100, 100 + tokens, dtype=torch.float32)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    cos, sin = freqs.cos().to(dtype).to(DEVICE), freqs.sin().to(dtype).to(DEVICE)
+    q, k = triton_ops.rope_half(qkv, cos, sin, hq, hkv, d)
+    qk = qkv[:, : (hq + hkv) * d].reshape(tokens, hq + hkv, d)
+    x1, x2, c, s_ = qk[..., : d // 2], qk[..., d // 2 :], cos[:, None], sin[:, None]
+    ref = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1)
+    assert q.is_contiguous() and k.is_contiguous() and q.shape == (tokens, hq, d) and k.shape == (tokens, hkv, d)
+    assert torch.equal(q, ref[:, :hq]) and torch.equal(k, ref[:, hq:])
+    with pytest.raises(ValueError, match="rope_half needs"):
+        triton_ops.rope_half(qkv, cos.float(), sin, hq, hkv, d)
+
+
+def test_half_model_forward_with_the_triton_ops(tmp_path):
+    """worker/model.py with kernels/triton_ops.py in its forward (as on a GPU at half precision): the same logits
+    as its torch chains but for the norm's last-bit roundings, through prefill and decode steps."""
+    from kernels import triton_ops
+    from scheduler.request import Request, SamplingParams
+    from tests.tiny_models import make_tiny_model
+    from worker.model_runner import ModelRunner
+
+    _interpreted_kernels()
+    model_dir = make_tiny_model(tmp_path, arch="qwen2", num_hidden_layers=2)
+    runner = ModelRunner(model_dir, dtype="float16", device=DEVICE, kv_cache_bytes=1 << 20, block_size=8,
+                         attention_backend="torch")
+    runner.model.use_c_ops(False)
+    req = Request("r", list(range(20, 33)), SamplingParams(max_tokens=2, temperature=0.0))
+    req.block_table = [0, 1]
+    logits = {}
+    for name, ops in (("torch", None), ("triton", triton_ops)):
+        runner.model._triton_ops = ops
+        req.num_computed_tokens = 0
+        logits[name] = runner.compute_logits([(req, 13)])[0].float()
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=2e-2, atol=2e-2)
+    assert logits["triton"].argmax() == logits["torch"].argmax()
+
+
 class _EagerReplay:
     """A captured decode step stood in by the same step run eagerly (no GPU: no CUDA graphs), its logits
     copied into one buffer as a replay's are."""
