@@ -387,7 +387,7 @@ class CausalLM:
         h = self._norm(x, self.layers[0].input_norm) if self.layers and fused is None else x
         for i, layer in enumerate(self.layers if fused is None else ()):
             qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
-            if self._triton_ops is not None and qkv.stride(-1) == 1:  # RoPE into dense q and k, one kernel
+            if self._triton_ops is not None and qkv.dtype == torch.bfloat16 and qkv.stride(-1) == 1:  # one kernel
                 q, k = self._triton_ops.rope_half(qkv, cos[:, 0], sin[:, 0], hq, hkv, d)
             else:
                 qk = self._rotate_qk(qkv, cos, sin, rot, c_ops)

@@ -355,14 +355,14 @@ def test_rms_norm_matches_the_torch_chain(dtype, rows, width):
         triton_ops.rms_norm(x.float(), weight, 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,hq,hkv,d", [(1, 9, 3, 64), (7, 4, 2, 128), (3, 2, 1, 48)])
-def test_rope_half_matches_the_torch_chain_bit_for_bit(dtype, tokens, hq, hkv, d):
+def test_rope_half_matches_the_torch_chain_bit_for_bit(tokens, hq, hkv, d):
     """kernels/triton_ops.py's RoPE against worker/model.py's rotate-half chain (every product and sum rounded
     to the half type): the same bits, in dense q and k; qkv rows strided as a fused projection's output."""
     from kernels import triton_ops
 
     _interpreted_kernels()
+    dtype = torch.bfloat16
     g = torch.Generator().manual_seed(tokens * d)
     width = (hq + 2 * hkv) * d
     qkv = (2 * torch.randn(tokens, width + 16, generator=g)).to(dtype).to(DEVICE)[:, :width]
@@ -377,21 +377,26 @@ def test_rope_half_matches_the_torch_chain_bit_for_bit(dtype, tokens, hq, hkv, d
     assert torch.equal(q, ref[:, :hq]) and torch.equal(k, ref[:, hq:])
     with pytest.raises(ValueError, match="rope_half needs"):
         triton_ops.rope_half(qkv, cos.float(), sin, hq, hkv, d)
+    with pytest.raises(ValueError, match="rope_half needs"):
+        triton_ops.rope_half(qkv.half(), cos.half(), sin.half(), hq, hkv, d)
 
 
-def test_half_model_forward_with_the_triton_ops(tmp_path):
-    """worker/model.py with kernels/triton_ops.py in its forward (as on a GPU at half precision): the same logits
-    as its torch chains but for the norm's last-bit roundings, through prefill and decode steps."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_model_forward_with_the_triton_ops(tmp_path, monkeypatch, dtype):
+    """worker/model.py with kernels/triton_ops.py in its forward (as on a GPU at half precision; bfloat16 with the
+    RoPE kernel too): the same logits as its torch chains but for the norm's last-bit roundings."""
     from kernels import triton_ops
     from scheduler.request import Request, SamplingParams
     from tests.tiny_models import make_tiny_model
     from worker.model_runner import ModelRunner
 
     _interpreted_kernels()
+    monkeypatch.setattr("worker.model.cpu_half_gemm_is_native", lambda: True)  # a CPU keeps bfloat16 arithmetic
     model_dir = make_tiny_model(tmp_path, arch="qwen2", num_hidden_layers=2)
-    runner = ModelRunner(model_dir, dtype="float16", device=DEVICE, kv_cache_bytes=1 << 20, block_size=8,
+    runner = ModelRunner(model_dir, dtype=dtype, device=DEVICE, kv_cache_bytes=1 << 20, block_size=8,
                          attention_backend="torch")
     runner.model.use_c_ops(False)
+    assert runner.model.dtype == getattr(torch, dtype)
     req = Request("r", list(range(20, 33)), SamplingParams(max_tokens=2, temperature=0.0))
     req.block_table = [0, 1]
     logits = {}
