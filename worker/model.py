@@ -11,7 +11,6 @@ matmul each); the config through ``worker.model_config``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from worker.model_config import (
     load_config,
     parse_config,
 )
+from worker.rope import rope_inv_freq
 from worker.weights import QUANTIZED_AT_LOAD, LayerWeights, load_weights, read_safetensors
 
 __all__ = [
@@ -87,35 +87,6 @@ def cpu_half_gemm_is_native() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
-
-
-# --- rotary embedding --------------------------------------------------------------------------------
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim/2]`` (float32), including linear/llama3 scaling as HF computes them."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    sc = config.rope_scaling
-    if not sc:
-        return inv_freq
-    rtype = sc["rope_type"]
-    if rtype == "linear":
-        return inv_freq / float(sc["factor"])
-    if rtype == "llama3":
-        factor = float(sc["factor"])
-        low = float(sc["low_freq_factor"])
-        high = float(sc["high_freq_factor"])
-        old_len = float(sc["original_max_position_embeddings"])
-        low_wavelen = old_len / low
-        high_wavelen = old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * out / factor + smooth * out
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, out)
-    raise ModelError(f"unsupported rope scaling type {rtype!r}")
 
 
 # --- the model ----------------------------------------------------------------------------------------
@@ -365,9 +336,7 @@ class CausalLM:
         max_position: int | None = None,
     ) -> torch.Tensor:
         """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None)."""
-        c = self.config
         t = input_ids.shape[0]
-        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         if max_position is None:
             max_position = int(positions.max()) if t else 0
         cos, sin = self._rope(positions, max_position)
@@ -386,16 +355,7 @@ class CausalLM:
             residual = x
         h = self._norm(x, self.layers[0].input_norm) if self.layers and fused is None else x
         for i, layer in enumerate(self.layers if fused is None else ()):
-            qkv = layer.qkv(h)  # [T, (Hq + 2Hkv) D]
-            if self._triton_ops is not None and qkv.dtype == torch.bfloat16 and qkv.stride(-1) == 1:  # one kernel
-                q, k = self._triton_ops.rope_half(qkv, cos[:, 0], sin[:, 0], hq, hkv, d)
-            else:
-                qk = self._rotate_qk(qkv, cos, sin, rot, c_ops)
-                q = qk[:, :hq]
-                k = qk[:, hq:]
-            v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
-            if self._contiguous_qkv:  # GPU kernels get dense tensors; on CPU the strided views are fine
-                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            q, k, v = self._qkv_heads(layer.qkv(h), cos, sin, rot, c_ops)
             k_cache, v_cache = kv_caches[i]
             backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k, v, k_cache, v_cache, meta)
@@ -482,6 +442,22 @@ class CausalLM:
             self._decode_step_caches = (id(kv_caches), id(self.layers))
         step = self._decode_step
         return step if step is not None and step.applies(kv_caches, meta, t) else None
+
+    def _qkv_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor | None,
+                   c_ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` of one layer's ``qkv`` ``[T, (Hq + 2Hkv) D]``, RoPE applied:
+        views on CPU, dense tensors for a GPU's kernels (a bfloat16 one rotates into them in one kernel)."""
+        c = self.config
+        t, hq, hkv, d = qkv.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
+        if self._triton_ops is not None and qkv.dtype == torch.bfloat16 and qkv.stride(-1) == 1:
+            q, k = self._triton_ops.rope_half(qkv, cos[:, 0], sin[:, 0], hq, hkv, d)
+            return q, k, v.contiguous()
+        qk = self._rotate_qk(qkv, cos, sin, rot, c_ops)
+        q, k = qk[:, :hq], qk[:, hq:]
+        if self._contiguous_qkv:  # GPU kernels get dense tensors; on CPU the strided views are fine
+            return q.contiguous(), k.contiguous(), v.contiguous()
+        return q, k, v
 
     def _add_row_parallel(self, residual: torch.Tensor, proj, x: torch.Tensor) -> None:
         """``residual += x W^T``; under tensor parallelism each rank holds a slice of W's input columns, so
