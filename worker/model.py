@@ -132,7 +132,6 @@ def _linear_bytes(p) -> int:
     return p.weight.nbytes + (p.bias.nbytes if p.bias is not None else 0)
 
 
-
 def _triton_ops():
     """kernels.triton_ops where Triton imports (a GPU's half-precision norms and RoPE), else None (torch ops)."""
     try:
