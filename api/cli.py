@@ -220,7 +220,8 @@ def celery_worker(
 
 
 def webhooks(
-    poll_interval: float = typer.Option(0.5, help="Seconds between polls when idle."),
+    poll_interval: float = typer.Option(0.5, help="Seconds between polls when idle, where the database is not "
+                                        "PostgreSQL (there, a notification wakes the dispatcher)."),
     concurrency: int = typer.Option(8, min=1, help="Deliveries in flight at once."),
 ) -> None:
     """Deliver webhooks (run this when the API runs with --no-webhooks, or for more delivery capacity)."""

@@ -16,6 +16,9 @@ All delivery state lives in ``webhook_deliveries`` so redelivery survives restar
    ``last_status_code``, ``last_error``) and retried after exponential backoff with jitter, until
    ``settings.webhook_max_attempts`` → failed.
 
+Between rounds it sleeps until a job with a webhook finishes (a PostgreSQL ``NOTIFY`` from a trigger on
+``jobs``) or a retry falls due, polling only as a backstop (``api/webhook_wakeups.py``).
+
 The dispatcher runs as a background thread in the API process (``create_app(webhooks=True)``, the
 default for ``inferq api``) or alone (``inferq webhooks``); never inside the engine's step loop.
 """
@@ -43,6 +46,7 @@ from sqlalchemy.orm import sessionmaker
 
 from api.metrics import WEBHOOK_ATTEMPTS
 from api.views import full_view
+from api.webhook_wakeups import Wakeups
 from inferq.db import TERMINAL_STATUSES, Job, Tenant, WebhookDelivery, utcnow
 from inferq.log import get_logger
 from inferq.settings import Settings
@@ -200,8 +204,8 @@ class Claimed:
 
 class WebhookDispatcher:
     def __init__(self, settings: Settings, session_factory: sessionmaker, *, batch_size: int = 32,
-                 poll_interval: float = 0.5, lookback_seconds: float = 7 * 86400, concurrency: int = 8,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 poll_interval: float = 0.5, idle_seconds: float = 5.0, lookback_seconds: float = 7 * 86400,
+                 concurrency: int = 8, transport: httpx.BaseTransport | None = None) -> None:
         self.settings = settings
         self.session_factory = session_factory
         self.batch_size = batch_size
@@ -211,6 +215,7 @@ class WebhookDispatcher:
         self.client = httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
                                    transport=transport, headers={"User-Agent": "inferq-webhooks/1"})
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="inferq-webhook")
+        self.wakeups = Wakeups(session_factory, idle_seconds)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -333,18 +338,25 @@ class WebhookDispatcher:
             return "error"
 
     def run(self, stop: threading.Event | None = None) -> None:
+        """Rounds until ``stop``: after a round that found work for less than a batch, wait for the next job
+        with a webhook to finish or retry to fall due (``api/webhook_wakeups.py``; polling where there is no
+        PostgreSQL); after an error, back off."""
         stop = stop or self._stop
         backoff = self.poll_interval
-        while not stop.is_set():
-            try:
-                n = self.run_once()
-                backoff = self.poll_interval
-            except Exception as exc:  # DB down: keep trying, slower
-                log.warning("webhook dispatcher error", error=repr(exc)[:300])
-                n = 0
-                backoff = min(backoff * 2, 30.0)
-            if n < self.batch_size:
-                stop.wait(backoff)
+        try:
+            while not stop.is_set():
+                try:
+                    n = self.run_once()
+                    backoff = self.poll_interval
+                except Exception as exc:  # DB down: keep trying, slower
+                    log.warning("webhook dispatcher error", error=repr(exc)[:300])
+                    backoff = min(backoff * 2, 30.0)
+                    stop.wait(backoff)
+                    continue
+                if n < self.batch_size:
+                    self.wakeups.wait(self.poll_interval, stop)
+        finally:
+            self.wakeups.close()
 
     def start(self) -> None:
         if self._thread is None:
