@@ -48,14 +48,18 @@ def _delivered(db, job_id: str, timeout: float = 20) -> dict:
                     timeout, interval=0.05, what=f"the delivery of {job_id}")
 
 
-def test_a_finished_job_wakes_the_dispatcher(client, tenant, db, fast_settings, httpserver):
-    httpserver.expect_request("/hook", method="POST").respond_with_data("", status=204)
-    dispatcher = _started(fast_settings, db)
+def _finished_while_asleep(client, tenant, db, settings, url: str) -> dict:
+    """A job with webhook ``url`` finished while a started dispatcher sleeps: its delivery row once delivered."""
+    dispatcher = _started(settings, db)
     try:
-        job_id = _finished_job(client, tenant, db, httpserver.url_for("/hook"))
-        row = _delivered(db, job_id)
+        return _delivered(db, _finished_job(client, tenant, db, url))
     finally:
         dispatcher.stop()
+
+
+def test_a_finished_job_wakes_the_dispatcher(client, tenant, db, fast_settings, httpserver):
+    httpserver.expect_request("/hook", method="POST").respond_with_data("", status=204)
+    row = _finished_while_asleep(client, tenant, db, fast_settings, httpserver.url_for("/hook"))
     assert row["attempts"] == 1
 
 
@@ -63,12 +67,7 @@ def test_a_retry_falling_due_wakes_the_dispatcher(client, tenant, db, fast_setti
     answers = iter([503, 200])
     httpserver.expect_request("/flaky", method="POST").respond_with_handler(
         lambda request: Response("", status=next(answers)))
-    dispatcher = _started(fast_settings, db)
-    try:
-        job_id = _finished_job(client, tenant, db, httpserver.url_for("/flaky"))
-        row = _delivered(db, job_id)
-    finally:
-        dispatcher.stop()
+    row = _finished_while_asleep(client, tenant, db, fast_settings, httpserver.url_for("/flaky"))
     assert [h["status_code"] for h in row["history"]] == [503, 200]
 
 
