@@ -76,6 +76,27 @@ def test_revocation_takes_effect(serve, settings, tenant, db, redis_client):
         assert c.get("/v1/jobs", headers=h).status_code == 401
 
 
+def test_key_lookup_on_postgres_reads_what_the_orm_reads(db, make_tenant):
+    """``lookup_key``'s one-round-trip PostgreSQL path gives the principal the ORM path gives: the tenant's every
+    column, the key's prefix and admin flag; nobody for an unknown or a revoked key."""
+    from api.auth import _lookup_orm, lookup_key
+    from api.tenants import hash_key
+    from inferq.db import Tenant
+
+    assert db.kw["bind"].dialect.name == "postgresql"
+    admin = make_tenant(admin=True, max_queued_jobs=7, tokens_per_minute=900)
+    for key in (admin.key, create_key(db, admin.name).key):
+        fast, orm = lookup_key(db, key), _lookup_orm(db, hash_key(key))
+        assert fast is not None and orm is not None
+        assert (fast.key_prefix, fast.is_admin) == (orm.key_prefix, orm.is_admin)
+        assert {c.key: getattr(fast.tenant, c.key) for c in Tenant.__table__.columns} == \
+               {c.key: getattr(orm.tenant, c.key) for c in Tenant.__table__.columns}
+    assert lookup_key(db, admin.key).is_admin and not lookup_key(db, create_key(db, admin.name).key).is_admin
+    revoked = create_key(db, admin.name)
+    revoke_key(db, revoked.prefix)
+    assert lookup_key(db, revoked.key) is None and lookup_key(db, "iq_" + "0" * 40) is None
+
+
 def test_404_unknown_and_cross_tenant(client, make_tenant):
     a, b = make_tenant(), make_tenant()
     job_id = client.post("/v1/jobs", json=BODY, headers=a.headers).json()["id"]
