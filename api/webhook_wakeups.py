@@ -1,11 +1,11 @@
 """What the webhook dispatcher waits on between rounds: a PostgreSQL notification, a due retry, or a timeout.
 
-Polling the jobs table twice a second cost every API process about 17 ms of CPU per second while idle (two
-transactions a poll, measured with py-spy on a 2-core VM) and delayed each webhook by up to half a second. On
-PostgreSQL a trigger on ``jobs`` (migration 0006) sends ``NOTIFY inferq_webhooks`` in the transaction that makes
-a job with a webhook terminal, so the dispatcher sleeps on its own ``LISTEN`` connection until a job needs it,
-the earliest pending retry is due, or ``idle_seconds`` pass (the backstop for a notification missed while its
-connection was being replaced). Other databases (SQLite for ``inferq up``) keep polling.
+Polling the jobs table twice a second (two transactions a poll) was most of an idle API process's CPU and
+delayed each webhook by up to half a second. On PostgreSQL a trigger on ``jobs`` (migration 0006) sends
+``NOTIFY inferq_webhooks`` in the transaction that makes a job with a webhook terminal, so the dispatcher sleeps
+on its own ``LISTEN`` connection until a job needs it, the earliest pending retry is due, or ``idle_seconds``
+pass (a backstop only: after its connection is replaced the dispatcher runs a round before it sleeps again, so a
+notification sent meanwhile is not missed). Other databases (SQLite for ``inferq up``) keep polling.
 """
 
 from __future__ import annotations
