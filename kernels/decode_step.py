@@ -39,9 +39,10 @@ import torch
 from kernels import cpu_attention, cpu_gemm, kv_quant, native, packed_gemm
 
 SOURCES = ("decode_step.c", "packed_gemm.c", "quant_gemm.c", "decode_attention.c", "prefill_attention.c",
-           "rms_norm.c", "rope.c", "activation.c")
+           "rms_norm.c", "rope.c", "activation.c", "argmax.c")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 W_F32, W_BF16, W_I8, W_I4, W_I4A8 = range(5)  # decode_step.c's panel kinds
+EMB_F32_ROWS, EMB_BF16_ROWS, EMB_F32_PANELS, EMB_BF16_PANELS, EMB_I8_PANELS = range(5)  # and its step_embed kinds
 DTYPES = (torch.float32, torch.bfloat16)  # the models' arithmetic it takes (bfloat16: computed in float32)
 MAX_ROWS = cpu_gemm.BUCKET_LIMITS[0]
 # simd.h's ELEM_F32, ELEM_BF16, ELEM_I8 and ELEM_F8 (the quantised caches' rows of codes + scale)
@@ -70,6 +71,10 @@ class _Args(ctypes.Structure):
                 ("final_norm", _P), ("head", _Proj), ("V", _I), ("R", _I), ("rows", _P), ("logits", _P)]
 
 
+class _Embed(ctypes.Structure):  # decode_step.c's step_embed
+    _fields_ = [("w", _P), ("scales", _P), ("kind", _I)]
+
+
 def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     """Build (once per machine) and bind the library; ``defines`` picks a variant (:mod:`kernels.native`, e.g.
     ``{"INFERQ_NO_AVX512": 1}`` for the AVX2 build). None where it cannot be built (it needs AVX2 + FMA, as the
@@ -81,6 +86,9 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
         return None
     lib.decode_step.argtypes = [ctypes.POINTER(_Args)]
     lib.decode_step.restype = _I
+    lib.decode_window_greedy.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Embed), _I64, _I, _I, _P, _I64,
+                                         _P, _P, _P, _I, _P]
+    lib.decode_window_greedy.restype = _I
     lib.set_generic.argtypes = [_I]
     lib.set_avx512.argtypes = [_I]
     lib.f8_from_f32.argtypes = [_F]  # the cache write's float8 conversion (tests compare it with torch's)
@@ -120,6 +128,24 @@ def _panels(lin) -> tuple | None:
     return None
 
 
+def _embedding(model) -> _Embed | None:
+    """Where :meth:`DecodeStep.run_greedy_window` embeds its tokens from, as ``model``'s own lookup does: an
+    untied float32 or bfloat16 table, or the tied head's panels (float32, bfloat16, or int8 codes and scales
+    where the model computes in float32: a bfloat16 model rounds those rows to bfloat16 first, as it would
+    float32 panels, which the C lookup does not). None: the window then runs its Python loop."""
+    table = getattr(model, "embed", None)
+    if table is not None:
+        kind = {torch.float32: EMB_F32_ROWS, torch.bfloat16: EMB_BF16_ROWS}.get(table.dtype)
+        ok = kind is not None and table.is_contiguous()
+        return _Embed(table.data_ptr(), None, kind) if ok else None
+    kind, w, scales, _ = _panels(model.lm_head)  # type: ignore[misc]
+    if kind == W_I8 and model.dtype == torch.float32:
+        return _Embed(w.data_ptr(), scales.data_ptr(), EMB_I8_PANELS)
+    if kind == W_BF16 or (kind == W_F32 and model.dtype == torch.float32):  # rows widened exactly, or as stored
+        return _Embed(w.data_ptr(), None, EMB_F32_PANELS if kind == W_F32 else EMB_BF16_PANELS)
+    return None
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -132,7 +158,8 @@ class DecodeStep:
         self.lib = lib
         self.kv_caches = kv_caches
         self.steps = 0  # fused steps run (tests check the path was taken)
-        self.window_steps = 0  # of which from run_decode (decode-ahead windows)
+        self.window_steps = 0  # of which from run_decode or run_greedy_window (decode-ahead windows)
+        self.greedy_windows = 0  # windows run whole in C (run_greedy_window)
         self._keep: list[torch.Tensor] = []  # float32 biases and norm weights, alive as long as the pointers are
         layers = (_Layer * len(model.layers))()
         # an early-exit draft (worker/draft.py) has fewer layers than the caches
@@ -156,6 +183,7 @@ class DecodeStep:
                           qkv, attn, gu)
         self.args.rope_half = not model._complex_rope  # the bfloat16 forward keeps the checkpoint's q/k order
         self.has_head = self._set_head(model)
+        self.embed = _embedding(model) if self.has_head else None
 
     def _float_ptr(self, t: torch.Tensor | None) -> int | None:
         """The address of ``t`` as float32 rows (a bias, or a bfloat16 model's norm weight: a copy, kept)."""
@@ -231,6 +259,32 @@ class DecodeStep:
         assert self.has_head
         self.window_steps += 1
         self.call(x, rot, (slot, (1, table, length, int(length[0])), _NO_CHUNKS), None, logits)
+
+    def run_greedy_window(self, token: int, pos0: int, rot: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+                          stops: list[int]) -> list[int]:
+        """A greedy decode-ahead window in one C call (``decode_window_greedy``): from ``token`` at position
+        ``pos0``, up to ``len(slots)`` tokens, each its logits' argmax, ending after one in ``stops``; the
+        embedding lookup and the argmax are the model's and the sampler's own, so the tokens are those of
+        :meth:`run_decode` in a Python loop. ``rot`` ``[n, D/2, 2]`` float32, ``slots`` int64 ``[n]``,
+        ``table`` int32 ``[1, blocks]``. Needs :attr:`embed` (set where the head runs inside the step)."""
+        assert self.embed is not None
+        n, a = len(slots), self.args
+        assert rot.is_contiguous() and slots.is_contiguous() and rot.shape[0] >= n
+        x, length = torch.empty((1, a.H), dtype=torch.float32), torch.empty(1, dtype=torch.int32)
+        logits, out = torch.empty((1, a.V), dtype=torch.float32), torch.empty(n, dtype=torch.int64)
+        stop_ids = torch.tensor(sorted(stops), dtype=torch.int32)
+        a.x, a.M, a.nd, a.np, a.R, a.rows, a.logits = x.data_ptr(), 1, 1, 0, 1, None, logits.data_ptr()
+        a.bt, a.bt_ss, a.lens = table.data_ptr(), table.stride(0), length.data_ptr()
+        made = self.lib.decode_window_greedy(ctypes.byref(a), ctypes.byref(self.embed), token, n, pos0,
+                                             rot.data_ptr(), rot.stride(0), slots.data_ptr(), length.data_ptr(),
+                                             stop_ids.data_ptr(), len(stop_ids), out.data_ptr())
+        if made < 0:
+            raise RuntimeError(f"fused decode step failed (code {-made}: 1 a shape the attention kernel does not "
+                               "take, 2 out of memory)")
+        self.steps += made
+        self.window_steps += made
+        self.greedy_windows += 1
+        return out[:made].tolist()
 
     def call(self, x: torch.Tensor, rot: torch.Tensor, plan, rows: torch.Tensor | None,
              logits: torch.Tensor | None) -> None:

@@ -422,7 +422,8 @@ def test_decode_ahead_windows_run_the_fused_step_with_unchanged_output(tiny_dirs
                     reason="a bfloat16 model computes in bfloat16 only where the CPU multiplies it natively")
 def test_decode_ahead_window_of_a_bfloat16_model(tiny_dirs):
     """A bfloat16 model's window takes the fused step's float32 rows (rotate-half RoPE rows, widened embedding):
-    the same tokens as its one-token fused steps."""
+    the same tokens as its one-token fused steps, whether the window runs in one C call (bfloat16 table rows
+    widened there) or in Python."""
     runner = ModelRunner(tiny_dirs["qwen2"], block_size=BLOCK, device="cpu", kv_cache_bytes=1 << 20, dtype="bfloat16")
     model = runner.model
     for lin in [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]:
@@ -431,4 +432,47 @@ def test_decode_ahead_window_of_a_bfloat16_model(tiny_dirs):
     params = SamplingParams(max_tokens=29, temperature=0.0, ignore_eos=True)
     plain, _ = _engine_tokens(runner, False, params, prompts(2, seed=4))
     ahead, _ = _engine_tokens(runner, True, params, prompts(2, seed=4))
-    assert ahead == plain and model._decode_step.window_steps > 2 * 20
+    step = model._decode_step
+    assert ahead == plain and step.window_steps > 2 * 20 and step.greedy_windows >= 2  # in one C call each
+    step.embed = None  # the windows' Python loop: the same tokens
+    assert _engine_tokens(runner, True, params, prompts(2, seed=4))[0] == plain
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-tied"), "llama", num_hidden_layers=2,
+                           tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4", "w4a8"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_greedy_window_in_one_call_makes_the_python_loops_tokens(tiny_dirs, tied_dir, fmt, tied, monkeypatch):
+    """A greedy window run whole in C (``DecodeStep.run_greedy_window``: the embedding looked up from the tied
+    head's panels or the untied table, the argmax taken there) against the same windows' Python loop
+    (``embed`` cleared), and against one-token steps: the same tokens, including a stop token inside a window."""
+    path = tied_dir if tied else tiny_dirs["llama"]
+    if fmt == "float32":
+        runner = packed_runner(path)
+    else:
+        _panels_planned(monkeypatch)
+        runner = ModelRunner(path, block_size=BLOCK, device="cpu", kv_cache_bytes=1 << 20, quantization=fmt)
+    long = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)
+    plain, _ = _engine_tokens(runner, False, long, prompts(3, seed=2))
+    stop = plain[1][17]
+    stopping = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    got, stopped_steps = {}, {}
+    for c_loop in (True, False):
+        runner.model.use_decode_step(True)
+        _engine_tokens(runner, False, long, prompts(1))  # builds the step
+        step = runner.model._decode_step
+        assert step is not None and step.has_head and (step.embed is not None)
+        if not c_loop:
+            step.embed = None
+        got[c_loop] = [_engine_tokens(runner, True, long, prompts(3, seed=2))[0]]
+        assert (step.greedy_windows >= 3) == c_loop and step.window_steps > 3 * 30
+        before = step.window_steps
+        got[c_loop].append(_engine_tokens(runner, True, stopping, prompts(3, seed=2))[0])
+        stopped_steps[c_loop] = step.window_steps - before  # a window ends at the stop, not at its last slot
+    assert got[True] == got[False] and stopped_steps[True] == stopped_steps[False]
+    assert got[True][0] == plain
+    assert got[True][1][1] == plain[1][: plain[1].index(stop) + 1]
