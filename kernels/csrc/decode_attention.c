@@ -16,6 +16,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "simd.h"
@@ -227,6 +228,40 @@ ALWAYS_INLINE void prefetch_rows(const void* base, const paged_cache* c, const i
     }
 }
 
+/* prefetch_rows into L2 only (the V rows fetched during the K pass, used a pass later) */
+ALWAYS_INLINE void prefetch_rows_l2(const void* base, const paged_cache* c, const int32_t* bt, int p0, int len,
+                                    int row_bytes, int es) {
+    for (int t = 0; t < 8 && p0 + t < len; t++) {
+        const char* r = (const char*)base + row_offset(c, bt, p0 + t) * es;
+        for (int l = 0; l < row_bytes; l += 64) _mm_prefetch(r + l, _MM_HINT_T1);
+        if (row_bytes & 63) _mm_prefetch(r + row_bytes - 1, _MM_HINT_T1);
+    }
+}
+
+/* An item's V rows up to this many bytes are prefetched into L2 during its K pass: a quarter of L2 (sysconf;
+   256 KiB where it does not say), so they are still there a pass later. */
+static int64_t early_v_bytes(void) {
+    static int64_t limit = 0;
+    if (!limit) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        limit = l2 > 0 ? l2 / 4 : 256 * 1024;
+    }
+    return limit;
+}
+
+/* Before an item's K pass: the K rows of its first PF_CHUNKS chunks, which the passes' own prefetches (PF_CHUNKS
+   chunks ahead) never cover. Returns whether its V rows are small enough to prefetch during the K pass. Why:
+   attention over a cold cache waited on memory (a single sequence's 400 positions read at 7-11 GB/s against the
+   weights' 30), most of it at the start of each pass of each item. */
+ALWAYS_INLINE int item_prefetch(const paged_cache* c, const int32_t* bt, int len, int es) {
+#ifdef INFERQ_NO_ITEM_PREFETCH /* the before, for A/B timings */
+    return 0;
+#endif
+    const int row_bytes = (int)(c->c_ts * es);
+    for (int b = 0; b < PF_CHUNKS; b++) prefetch_rows(c->k, c, bt, b * 8, len, row_bytes, es);
+    return (int64_t)len * row_bytes <= early_v_bytes();
+}
+
 /* The row offsets of chunk b's 8 positions; past len (the last chunk) row 0 again, masked or skipped later. */
 static inline void chunk_offsets(const paged_cache* c, const int32_t* bt, int b, int n, int64_t* roff) {
     for (int t = 0; t < 8; t++) roff[t] = row_offset(c, bt, b * 8 + (t < n ? t : 0));
@@ -240,11 +275,13 @@ ALWAYS_INLINE void scores_avx2(const int KIND, const decode_args* a, const float
     const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-INFINITY);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int64_t roff[8];
+    const int early_v = item_prefetch(c, bt, len, es);
     for (int b = 0; b < nch; b++) {
         const int n = (b == nch - 1) ? len - b * 8 : 8;
         chunk_offsets(c, bt, b, n, roff);
         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
         prefetch_rows(c->k, c, bt, (b + PF_CHUNKS) * 8, len, (int)(c->c_ts * es), es);
+        if (early_v) prefetch_rows_l2(c->v, c, bt, b * 8, len, (int)(c->c_ts * es), es);
         for (int h = h0; h < h1; h++) {
             const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, KIND);
             /* int8: the 8 rows' scales times the softmax scale, lane t for row t */
@@ -467,9 +504,11 @@ ALWAYS_INLINE void scores512(const int KIND, const decode_args* a, const float* 
     const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-INFINITY);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int64_t roff[8], pfoff[8] = {0}; /* pfoff: read only where chunk_rows filled it */
+    const int es = elem_size(KIND), early_v = item_prefetch(c, bt, len, es);
     for (int b = 0; b < nch; b++) {
         const int n = (b == nch - 1) ? len - b * 8 : 8;
         const int pf = chunk_rows(c, bt, len, nch, b, roff, pfoff);
+        if (early_v) prefetch_rows_l2(c->v, c, bt, b * 8, len, (int)(c->c_ts * es), es);
         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
         for (int h = h0; h < h1; h++) {
             const void* k0 = elem_at(c->k, (int64_t)h * c->c_hs, KIND);
