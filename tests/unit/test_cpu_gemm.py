@@ -75,6 +75,28 @@ def test_another_layout_keeps_panels_for_the_decode_bucket_when_they_are_near_th
         torch.testing.assert_close(lin.add_to(out, x).float(), want + 1.0, **tol)
 
 
+@needs_packed
+def test_panels_that_miss_the_margin_on_the_first_samples_are_timed_again(monkeypatch):
+    """The decode bucket's panels decide whether the fused step runs at all: where they miss the margin in the
+    first round of samples (a noisy moment), every candidate is timed again at that size before they are
+    dropped, so a spike does not cost the fused step; panels that stay slow are still dropped (the test above)."""
+    calls = {"pk": 0}
+
+    def fake_time(lin, x, scratch):  # the panels' first samples at decode sizes hit a busy machine
+        if lin.layout == "pk":
+            if x.shape[0] > cpu_gemm.BUCKET_LIMITS[0]:
+                return 2.0
+            calls["pk"] += 1
+            return 3.0 if calls["pk"] <= 9 else 1.1  # the first round's 8 samples and one more, then calm
+        return 1.0 if lin.forms[0] == "xw" else 1.5
+
+    monkeypatch.setattr(cpu_gemm, "_time", fake_time)
+    w = torch.randn(47, 32, generator=torch.Generator().manual_seed(47))
+    lin = cpu_gemm.plan(w)
+    assert lin.layout in ("oi", "io") and lin.forms == ("pk", "xw", "xw", "xw") and lin.panels is not None
+    assert calls["pk"] > 9
+
+
 def test_bucket_bounds():
     assert [cpu_gemm._bucket(m) for m in (1, 16, 17, 128, 129, 512, 513, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
