@@ -43,7 +43,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import plan_cache, quant_panels, w8a8_panels
-from kernels.cpu_gemm import BUCKET_LIMITS, MAX_PROBE_FLOP, PROBE_M, SCRATCH_BYTES, _bucket
+from kernels.cpu_gemm import (
+    BUCKET_LIMITS,
+    FUSED_STEP_MARGIN,
+    MAX_PROBE_FLOP,
+    PROBE_M,
+    RETIME_REPS,
+    SCRATCH_BYTES,
+    _bucket,
+)
 from kernels.quant import QuantizedWeight
 
 FORMS = {"int8": ("w8a16", "w8dq", "w8a8", "w8a8w", "panels"), "int4": ("w4", "w4dq", "panels")}
@@ -233,8 +241,9 @@ class QuantLinear:
 
 def _measure(q: QuantizedWeight, forms: tuple[str, ...], act8: bool = False) -> tuple[str, ...]:
     """The form per M bucket for this shape: each bucket's fastest of ``forms``, timed interleaved with a cold
-    weight (as a model step reads it), best of a few runs; then panels everywhere if they win the decode bucket
-    and are within ``KEEP_ONE_MARGIN`` of the fastest in every other one (one copy of the weight)."""
+    weight (as a model step reads it), best of a few runs; panels at decode sizes where they come within the
+    fused step's margin (:func:`_decode_form`); then panels everywhere if they win the decode bucket and are
+    within ``KEEP_ONE_MARGIN`` of the fastest in every other one (one copy of the weight)."""
     n, k = q.shape
     if len(forms) == 1:
         return forms * (len(BUCKET_LIMITS) + 1)
@@ -249,18 +258,43 @@ def _measure(q: QuantizedWeight, forms: tuple[str, ...], act8: bool = False) -> 
                 lin(x)
             # more samples where they are cheap: a decode-sized probe takes ~0.1 ms, and on a busy machine a
             # two-thread call is slowed whenever the other core is taken (four samples flipped buckets there)
-            for r in range(12 if n * k * x.shape[0] < 2e7 else 4 if n * k * x.shape[0] < 2e8 else 2):
-                for f in forms if r % 2 == 0 else reversed(forms):
-                    scratch.add_(1.0)
-                    t = time.perf_counter()
-                    lins[f](x)
-                    best[f, i] = min(best[f, i], time.perf_counter() - t)
-    chosen = tuple(min(_bucket_forms(forms, i), key=lambda f, i=i: best[f, i] * (PANELS_BIAS if f == "panels" else 1.0))
-                   for i in range(len(xs)))
+            _sample(lins, best, i, x, scratch, 12 if n * k * x.shape[0] < 2e7 else 4 if n * k * x.shape[0] < 2e8 else 2)
+        chosen = tuple(min(_bucket_forms(forms, i), key=lambda f, i=i: best[f, i] * (PANELS_BIAS if f == "panels" else 1.0))
+                       for i in range(len(xs)))
+        chosen = (_decode_form(lins, best, chosen[0], xs[0], scratch), *chosen[1:])
     if "panels" in forms and chosen[0] == "panels" and all(
             best["panels", i] <= KEEP_ONE_MARGIN * best[chosen[i], i] for i in range(len(xs))):
         chosen = ("panels",) * len(xs)
     return chosen + chosen[-1:] * (len(BUCKET_LIMITS) + 1 - len(chosen))
+
+
+def _time(lin: QuantLinear, x: torch.Tensor, scratch: torch.Tensor) -> float:
+    scratch.add_(1.0)  # evict the weight: in the model it is read once per step, cold in the caches
+    t = time.perf_counter()
+    lin(x)
+    return time.perf_counter() - t
+
+
+def _sample(lins: dict, best: dict, i: int, x: torch.Tensor, scratch: torch.Tensor, reps: int) -> None:
+    """``reps`` rounds of every form at bucket ``i``'s probe, interleaved and the order flipped each round (noise
+    hits every form alike); ``best`` keeps each form's fastest."""
+    for r in range(reps):
+        for f in lins if r % 2 == 0 else reversed(lins):
+            best[f, i] = min(best[f, i], _time(lins[f], x, scratch))
+
+
+def _decode_form(lins: dict, best: dict, fastest: str, x: torch.Tensor, scratch: torch.Tensor) -> str:
+    """The decode bucket's form: the panels wherever they are within ``FUSED_STEP_MARGIN`` of the fastest, as
+    cpu_gemm keeps its packed ones, because the fused decode step runs only where every projection is in panels
+    and is worth more than a product's own difference. Where the first samples put them outside, every form is
+    timed again before they are dropped. Measured on a Zen 5: int8's down projection planned to w8a16 in one
+    load (single-stream int8 then ran op by op, 0.88x llama.cpp), panels 45-50 us against its 58-71 after."""
+    if "panels" not in lins or fastest == "panels":
+        return fastest
+    if best["panels", 0] > FUSED_STEP_MARGIN * best[fastest, 0]:
+        _sample(lins, best, 0, x, scratch, RETIME_REPS)
+        fastest = min(_bucket_forms(tuple(lins), 0), key=lambda f: best[f, 0])
+    return "panels" if best["panels", 0] <= FUSED_STEP_MARGIN * best[fastest, 0] else fastest
 
 
 def _bucket_forms(forms: tuple[str, ...], bucket: int) -> tuple[str, ...]:

@@ -223,6 +223,40 @@ def test_planner_times_the_panels_and_keeps_one_copy_when_they_serve_every_bucke
         assert not lin.weight.codes.numel() and "packed" not in lin._state
 
 
+def _fake_times(monkeypatch, panels_at_decode) -> dict:
+    """Fake probe times: torch's w8a16 1.0 and w8dq 3.0 everywhere, the panels 2.0 above the decode bucket and
+    ``panels_at_decode(sample number)`` in it; returns the panels' decode-bucket sample count."""
+    calls = {"panels": 0}
+
+    def fake_time(lin, x, scratch):
+        form = lin.forms[0]
+        if form != "panels":
+            return {"w8a16": 1.0, "w8dq": 3.0}[form]
+        if x.shape[0] > quant_gemm.BUCKET_LIMITS[0]:
+            return 2.0
+        calls["panels"] += 1
+        return panels_at_decode(calls["panels"])
+
+    monkeypatch.setattr(quant_gemm, "_time", fake_time)
+    return calls
+
+
+@pytest.mark.skipif(not quant_panels.available(), reason="the panels' kernel does not build here")
+def test_decode_panels_within_the_fused_steps_margin_are_kept_and_a_noisy_first_round_is_timed_again(monkeypatch):
+    """The decode bucket's panels decide whether the fused step runs: panels within FUSED_STEP_MARGIN of the
+    fastest form keep that bucket; panels that miss it in the first samples (a busy moment) are timed again and
+    kept when they come within it; panels that stay slow are dropped."""
+    q = _quantized("int8", 0, 48, 64)
+    forms = quant_gemm.WEIGHT_ONLY["int8"]
+    near = _fake_times(monkeypatch, lambda n: 1.3)
+    assert quant_gemm._measure(q, forms) == ("panels", "w8a16", "w8a16", "w8a16") and near["panels"] == 12
+    noisy = _fake_times(monkeypatch, lambda n: 3.0 if n <= 13 else 1.2)
+    assert quant_gemm._measure(q, forms) == ("panels", "w8a16", "w8a16", "w8a16")
+    assert noisy["panels"] == 12 + quant_gemm.RETIME_REPS
+    slow = _fake_times(monkeypatch, lambda n: 1.5)
+    assert quant_gemm._measure(q, forms) == ("w8a16",) * 4 and slow["panels"] == 12 + quant_gemm.RETIME_REPS
+
+
 def _act8_reference(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel multiplies it: each block of 32 quantised to int8 and back (float64)."""
     q, d = w8a8_panels.reference_quantize(x)
