@@ -295,6 +295,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
         timers.wrap(runner.backend, "write_kv_cache", "attention")
         timers.wrap(runner.sampler, "sample", "sampling")
     context, done, i = 0.0, 0, 0  # done: tokens made per sequence (one per step without windows)
+    screened_before = _screen_counts(model._decode_step if fused else None)
     try:
         with timers.projections(projection_names(model)):
             while done < steps and engine.has_unfinished():
@@ -310,6 +311,7 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
                     reads.sum()
                     read_s.append(time.perf_counter() - t0)
         fused_step = model._decode_step if fused else None  # use_decode_step below drops it
+        screened = _screened_head_bytes(fused_step, screened_before)
         phases = _phases_per_step(phased, done) if phased is not None else None
     finally:
         timers.unwrap()
@@ -328,6 +330,8 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
         parts["prepare inputs"] = t.get("prepare inputs", 0.0)
     parts["engine python"] = t["step"] - sum(parts.values())
     wbytes = weight_bytes(model)
+    if screened is not None:
+        wbytes["lm_head"] = screened
     cache = runner.kv_caches[0][0]
     kv_bytes = 2 * len(runner.kv_caches) * (context / done) * cache.shape[2] * cache.shape[3] * cache.element_size()
     step_bytes = sum(wbytes.values()) + kv_bytes
@@ -336,6 +340,22 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
             "kv_bytes_per_step": kv_bytes, "bytes_per_step": step_bytes, "achieved_gbs": step_bytes / t["step"] / 1e6,
             "read_alt_gbs": reads.nbytes * len(read_s) / sum(read_s) / 1e9 if read_s else None,
             "projection_gbs": {kind: wbytes[kind] / parts[kind] / 1e6 for kind in wbytes if parts.get(kind, 0) > 0}}
+
+
+def _screen_counts(step) -> tuple[int, int, int]:
+    """(C steps, calls with the screened head, head panels recomputed) of the fused step so far."""
+    return (0, 0, 0) if step is None else (step.steps, step.screened_calls, step.screened_panels)
+
+
+def _screened_head_bytes(step, before: tuple[int, int, int]) -> int | None:
+    """Bytes the LM head read per step where the steps since ``before`` screened it (greedy rows,
+    kernels/decode_step.py ``head_screen``): the rounded copy, its bounds, and the float32 panels recomputed;
+    None where they read the head itself."""
+    steps, calls, panels = (now - then for now, then in zip(_screen_counts(step), before, strict=True))
+    if step is None or step.screen is None or not calls or not steps:
+        return None
+    _, rounded, c = step.screen
+    return rounded.nbytes + c.nbytes + round(panels / steps * step.args.H * 16 * 4)
 
 
 def _time_phases(model):

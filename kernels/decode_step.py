@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -68,7 +69,8 @@ class _Args(ctypes.Structure):
                 ("eps", _F), ("scale", _F), ("qkv", _P), ("attn", _P), ("gu", _P), ("x", _P), ("M", _I),
                 ("rot", _P), ("rope_half", _I), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
                 ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P),
-                ("final_norm", _P), ("head", _Proj), ("V", _I), ("R", _I), ("rows", _P), ("logits", _P)]
+                ("final_norm", _P), ("head", _Proj), ("V", _I), ("R", _I), ("rows", _P), ("logits", _P),
+                ("screen", _Proj), ("screen_c", _P), ("screen_panels", _P)]
 
 
 class _Embed(ctypes.Structure):  # decode_step.c's step_embed
@@ -146,6 +148,47 @@ def _embedding(model) -> _Embed | None:
     return None
 
 
+SCREEN_CHUNK = 256  # panels per pass of head_screen (bounded temporaries)
+_screens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the panels, dropped with them
+
+
+def head_screen(panels: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 head's screen for steps whose rows only need their argmax (greedy): its panels rounded to
+    bfloat16, and per output column i a bound c_i with |screened - exact logit| <= |x|_2 c_i for every input row
+    x. Why: the head is a fifth of a small float32 model's step (SmolLM2-135M: 113 of 543 MB); decode_step.c's
+    screen_head reads the half-size copy and recomputes from the float32 panels only the few columns that could
+    hold a row's maximum (1-17 of 49,152 on real text), so the argmax is the full head's, bit for bit.
+    c_i is the rounding's error norm |W_i - bf16(W_i)|_2 (Cauchy-Schwarz) plus both products' float32 rounding,
+    gamma_K (|W_i|_2 + |bf16(W_i)|_2) (K products in any order: gamma_K = K u / (1 - K u), u = 2^-24). The
+    norms are float32 sums of K squares (within gamma_K of exact, their roots within gamma_K / 2 + u; W - bf16(W)
+    is exact in float32), so each bound is raised by 2 gamma_K + 2^-20. Cached per panels tensor (a model's
+    steps share it)."""
+    cached = _screens.get(id(panels))
+    if cached is not None:
+        return cached
+    k, width = panels.shape[1], panels.shape[2]
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    rounded = panels.to(torch.bfloat16)
+    c = torch.empty(panels.shape[0] * width, dtype=torch.float32)
+    for i in range(0, panels.shape[0], SCREEN_CHUNK):
+        w, b = panels[i:i + SCREEN_CHUNK], rounded[i:i + SCREEN_CHUNK].float()  # [p, K, 16]
+        bound = (w - b).norm(dim=1) + gamma * (w.norm(dim=1) + b.norm(dim=1))
+        c[i * width:(i + w.shape[0]) * width] = bound.flatten() * (1 + 2 * gamma + 2.0**-20)
+    c = c[:n].clone()
+    _screens[id(panels)] = (rounded, c)
+    weakref.finalize(panels, _screens.pop, id(panels), None)
+    return rounded, c
+
+
+def prepare_screen(model) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`head_screen` of ``model``'s head where the fused step screens it (a float32 head in panels, no
+    bias), computed now if not yet; else None."""
+    head = _panels(model.lm_head)
+    if head is None or head[0] != W_F32 or model.lm_head.bias is not None:
+        return None
+    return head_screen(head[1], model.lm_head.out_features)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -184,6 +227,10 @@ class DecodeStep:
         self.args.rope_half = not model._complex_rope  # the bfloat16 forward keeps the checkpoint's q/k order
         self.has_head = self._set_head(model)
         self.embed = _embedding(model) if self.has_head else None
+        self.screen = self._head_screen(model) if self.has_head else None
+        self.screened_calls = 0  # C calls (steps or greedy windows) with the screened head (tests check the path)
+        self._screen_panels = torch.zeros(1, dtype=torch.int64)  # the C side adds the panels it recomputes
+        self.args.screen_panels = self._screen_panels.data_ptr()
 
     def _float_ptr(self, t: torch.Tensor | None) -> int | None:
         """The address of ``t`` as float32 rows (a bias, or a bfloat16 model's norm weight: a copy, kept)."""
@@ -204,6 +251,28 @@ class DecodeStep:
         self.args.head = _Proj(w.data_ptr(), self._float_ptr(model.lm_head.bias), _ptr(scales), kind, group)
         self.args.V = model.lm_head.out_features
         return True
+
+    def _head_screen(self, model) -> tuple[_Proj, torch.Tensor, torch.Tensor] | None:
+        """The screened head for rows that only need their argmax (:func:`prepare_screen`); None where the
+        model's head is not screened (those steps run the head itself)."""
+        screen = prepare_screen(model)
+        if screen is None:
+            return None
+        rounded, c = screen
+        return _Proj(rounded.data_ptr(), None, None, W_BF16, 0), rounded, c
+
+    @property
+    def screened_panels(self) -> int:
+        """Head panels recomputed from float32 by screened steps so far (what they read beyond the screen)."""
+        return int(self._screen_panels[0])
+
+    def _set_screened(self, on: bool) -> bool:
+        """Point the step's head at the screen (``on``, where this model has one) or at the head itself."""
+        on = on and self.screen is not None
+        proj, _, c = self.screen if on else (_Proj(), None, None)  # type: ignore[misc]
+        self.args.screen, self.args.screen_c = proj, _ptr(c)
+        self.screened_calls += on
+        return on
 
     @staticmethod
     def for_model(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeStep | None:
@@ -234,11 +303,14 @@ class DecodeStep:
         return (kv_caches is self.kv_caches and 0 < num_tokens <= MAX_ROWS and meta.seq_lens_host is not None
                 and (meta.num_decodes == meta.num_seqs or self.chunks))
 
-    def run(self, x: torch.Tensor, rot: torch.Tensor, meta, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, x: torch.Tensor, rot: torch.Tensor, meta, rows: torch.Tensor | None = None,
+            argmax_only: bool = False) -> torch.Tensor | None:
         """Every layer over ``x`` (float32 ``[M, H]``, dense, whatever the model's dtype; updated in place to the
         last residual stream): rot ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots,
         block tables and lengths from ``meta`` (the leading decodes, then the chunks of several tokens). Where :attr:`has_head`, the logits
-        (float32 ``[len(rows), vocab]``, or every row's where ``rows`` is None) too; else None."""
+        (float32 ``[len(rows), vocab]``, or every row's where ``rows`` is None) too; else None. ``argmax_only``:
+        the caller reads each row's argmax alone (greedy): the head may then be screened (:func:`head_screen`),
+        the argmax exact and the other values approximate."""
         plan = meta.cache.get("decode_step")
         if plan is None:
             plan = meta.cache["decode_step"] = _step_plan(meta)
@@ -247,7 +319,7 @@ class DecodeStep:
             if rows is not None:
                 rows = rows.to(torch.int64).contiguous()
             logits = torch.empty((x.shape[0] if rows is None else rows.shape[0], self.args.V), dtype=torch.float32)
-        self.call(x, rot, plan, rows, logits)
+        self.call(x, rot, plan, rows, logits, screened=argmax_only)
         return logits
 
     def run_decode(self, x: torch.Tensor, rot: torch.Tensor, slot: torch.Tensor, table: torch.Tensor,
@@ -275,6 +347,7 @@ class DecodeStep:
         stop_ids = torch.tensor(sorted(stops), dtype=torch.int32)
         a.x, a.M, a.nd, a.np, a.R, a.rows, a.logits = x.data_ptr(), 1, 1, 0, 1, None, logits.data_ptr()
         a.bt, a.bt_ss, a.lens = table.data_ptr(), table.stride(0), length.data_ptr()
+        self._set_screened(True)
         made = self.lib.decode_window_greedy(ctypes.byref(a), ctypes.byref(self.embed), token, n, pos0,
                                              rot.data_ptr(), rot.stride(0), slots.data_ptr(), length.data_ptr(),
                                              stop_ids.data_ptr(), len(stop_ids), out.data_ptr())
@@ -287,9 +360,10 @@ class DecodeStep:
         return out[:made].tolist()
 
     def call(self, x: torch.Tensor, rot: torch.Tensor, plan, rows: torch.Tensor | None,
-             logits: torch.Tensor | None) -> None:
+             logits: torch.Tensor | None, screened: bool = False) -> None:
         """The C step over ``x`` with the tables of ``plan`` (:func:`_step_plan`'s form); logits (where
-        :attr:`has_head`) into ``logits``, rows ``rows`` (int64) or every row."""
+        :attr:`has_head`) into ``logits``, rows ``rows`` (int64) or every row; ``screened``: from the screened
+        head where there is one (only their argmax exact)."""
         assert x.dtype == torch.float32 and x.is_contiguous() and rot.is_contiguous()  # the C side's row strides
         slots, (nd, tables, lens, max_len), (np_, p_tables, starts, ctx) = plan
         a = self.args
@@ -299,6 +373,7 @@ class DecodeStep:
         a.p_qs, a.p_ctx, a.p_first = starts.data_ptr(), ctx.data_ptr(), self._first.data_ptr()
         if logits is not None:
             a.R, a.rows, a.logits = logits.shape[0], _ptr(rows), logits.data_ptr()
+        self._set_screened(screened and logits is not None)
         err = self.lib.decode_step(ctypes.byref(a))
         self.steps += 1
         if err:

@@ -333,8 +333,11 @@ class CausalLM:
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,
         max_position: int | None = None,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
-        """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None)."""
+        """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None).
+        ``argmax_only``: the caller reads each row's argmax alone (greedy sampling), so the fused step may screen
+        the head (kernels/decode_step.py, ``head_screen``): the argmax exact, the other values approximate."""
         t = input_ids.shape[0]
         if max_position is None:
             max_position = int(positions.max()) if t else 0
@@ -348,7 +351,7 @@ class CausalLM:
         residual = x
         fused = self._fused_step(kv_caches, meta, t, backend)
         if fused is not None:  # every layer (and the head, where in panels) in one C call (kernels/decode_step.py)
-            logits, x = self._run_fused(fused, x, rot, positions, meta, logits_indices)
+            logits, x = self._run_fused(fused, x, rot, positions, meta, logits_indices, argmax_only)
             if logits is not None:
                 return logits
             residual = x
@@ -380,13 +383,13 @@ class CausalLM:
     __call__ = forward
 
     def _run_fused(self, fused, x: torch.Tensor, rot: torch.Tensor | None, positions: torch.Tensor,
-                   meta: AttentionMetadata, logits_indices: torch.Tensor | None):
+                   meta: AttentionMetadata, logits_indices: torch.Tensor | None, argmax_only: bool = False):
         """The fused step over ``x``: (logits, x) where the head ran inside it, else (None, the last residual
         stream in the model's dtype). A bfloat16 model's step computes in float32 (rotate-half RoPE, float32
         rows: its own tables are rounded)."""
         if self.dtype != torch.float32:
             x, rot = x.float(), self._rope_rows(positions)
-        logits = fused.run(x, rot, meta, logits_indices)  # rot: the C RoPE's (cos, sin) rows
+        logits = fused.run(x, rot, meta, logits_indices, argmax_only)  # rot: the C RoPE's (cos, sin) rows
         return logits, x.to(self.dtype)
 
     def decode_window(self, kv_caches, backend: AttentionBackend, meta: AttentionMetadata, token: int,
@@ -431,6 +434,14 @@ class CausalLM:
         self._decode_step_on = on
         self._decode_step = None
         self._decode_step_caches = None
+
+    def prepare_decode_step(self) -> None:
+        """Compute the fused step's screened head now (kernels/decode_step.py ``head_screen``: ~0.1 s for SmolLM2
+        in float32) rather than inside the first request's first decode step."""
+        if self.device.type == "cpu":
+            from kernels.decode_step import prepare_screen
+
+            prepare_screen(self)
 
     def _fused_step(self, kv_caches, meta: AttentionMetadata, t: int, backend: AttentionBackend):
         """The fused decode step where this step qualifies (kernels/decode_step.py says when), else None. Built

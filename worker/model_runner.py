@@ -185,6 +185,8 @@ class ModelRunner:
             self.backend = attention_backend
         self.sampler = Sampler(self.device, seed=seed)
         self.graphs = self._decode_graphs(int(cuda_graph_max_batch))
+        if (prepare := getattr(self.model, "prepare_decode_step", None)) is not None:  # not on a TP driver
+            prepare()
         log.info("model runner ready", model_dir=str(self.model_dir), device=str(self.device), dtype=self.info.dtype,
                  kv_blocks=self.num_blocks, block_size=self.block_size, threads=torch.get_num_threads(),
                  attention=getattr(self.backend, "name", type(self.backend).__name__))
@@ -309,9 +311,10 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------------
 
-    def _forward(self, batch: Sequence[tuple[Request, int]]) -> tuple[StepInputs, torch.Tensor]:
+    def _forward(self, batch: Sequence[tuple[Request, int]],
+                 argmax_only: bool = False) -> tuple[StepInputs, torch.Tensor]:
         """Run the model on one step; returns its inputs (order, reordered requests, sampling rows) and the
-        logits of the sampling rows."""
+        logits of the sampling rows (``argmax_only``: only their argmax is read, CausalLM.forward says why)."""
         step = self._prepare(batch)
         dev = self.device
         max_pos = int(step.seq_lens.max()) - 1
@@ -339,6 +342,7 @@ class ModelRunner:
             self.backend,
             logits_indices=torch.from_numpy(step.logits_indices).to(dev),
             max_position=max_pos,
+            argmax_only=argmax_only,
         )
         return step, logits
 
@@ -358,7 +362,8 @@ class ModelRunner:
             return []
         if len(batch) == 1 and batch[0][0].decode_ahead and batch[0][0].spec_token_ids:
             return [self._decode_ahead(*batch[0])]
-        step, logits = self._forward(batch)
+        # every sampling row greedy: the sampler reads the logits' argmax alone
+        step, logits = self._forward(batch, argmax_only=all(r.sampling.greedy for r, _ in batch))
         results: list[int | list[int] | None] = [None] * len(batch)
         if step.sample_rows.size == 0:
             return results

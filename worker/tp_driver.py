@@ -123,8 +123,9 @@ class TPDriver:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend: AttentionBackend, logits_indices: torch.Tensor | None = None,
-                max_position: int | None = None) -> torch.Tensor:
-        """Logits of the step (rank 0's gathered rows), as ``CausalLM.forward`` returns them."""
+                max_position: int | None = None, argmax_only: bool = False) -> torch.Tensor:
+        """Logits of the step (rank 0's gathered rows), as ``CausalLM.forward`` returns them (every value exact:
+        ``argmax_only`` is taken for the signature's sake)."""
         if logits_indices is None:
             logits_indices = torch.arange(input_ids.shape[0], device=input_ids.device)
         if max_position is None:

@@ -60,6 +60,8 @@ int step_phases(double* out, int threads) {
 /* the ops it chains, from their own sources in this library */
 void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys, int M,
                int N, int K, int accumulate);
+void gemm_panel(int bf16, const float* x, int64_t xs, const void* wp, int p, float* y, int64_t ys, int M, int N,
+                int K);
 int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const void* s, int G, const float* b, float* y,
                int64_t ys, int M, int N, int K, int accumulate);
 int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
@@ -128,6 +130,10 @@ typedef struct {
     int V, R;
     const int64_t* rows;
     float* logits;
+    /* where screen.w is set (rows whose argmax alone is read: greedy), the head screened (screen_head) */
+    step_proj screen;      /* the head's weight rounded to fewer bytes, in panels of its own kind */
+    const float* screen_c; /* [V]: |screened - exact logit of column i| <= |row|_2 * screen_c[i] */
+    int64_t* screen_panels; /* the panels recomputed are added here (bench/latency.py counts the bytes read) */
 } step_args;
 
 /* The rotate-half form of rope_interleaved_f32 (the pairs of a head are (j, j + half)), for a model that keeps
@@ -257,6 +263,38 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
         qgemm_team(p->kind - W_I8, x, xs, p->w, p->scales, p->group, p->bias, y, ys, M, N, K, accumulate);
 }
 
+/* A greedy step's head from fewer bytes (kernels/decode_step.py, "screened head"): a->logits holds each row's
+   logits from the rounded copy (s); column i's exact logit is within b_i = |row|_2 c_i of s_i, so the row's exact
+   maximum is at least T = max_i (s_i - b_i), and only a column with s_i + b_i >= T can reach it. The panels of those columns are recomputed from the head itself (every row, as
+   the team's product computes them: gemm_panel), and every other column keeps an s_i below T. So the rows'
+   argmax (argmax.c's, the sampler's) is the exact logits' argmax, the first of equal maxima included: equal
+   maxima are all recomputed. A row whose norm is not finite has every panel recomputed. One thread, after the
+   team's screened product; a few panels of 16 columns a row against reading the whole float32 head. */
+static void screen_head(const step_args* a, const float* h) {
+    const int V = a->V, H = a->H, np = (V + 15) / 16;
+    unsigned char* mark = (unsigned char*)calloc((size_t)np, 1);
+    for (int r = 0; r < a->R; r++) {
+        const float *x = h + (int64_t)r * H, *s = a->logits + (int64_t)r * V;
+        double n2 = 0.0;
+        for (int k = 0; k < H; k++) n2 += (double)x[k] * x[k];
+        const double hn = sqrt(n2) * (1.0 + 1e-9); /* the double sum's own rounding, and then some */
+        double T = -INFINITY;
+        if (mark && isfinite(hn))
+            for (int i = 0; i < V; i++) {
+                const double lo = (double)s[i] - hn * a->screen_c[i];
+                if (lo > T) T = lo;
+            }
+        for (int i = 0; mark && i < V; i++) /* NaN compares false: a candidate */
+            if (!((double)s[i] + hn * a->screen_c[i] < T)) mark[i / 16] = 1;
+    }
+    for (int p = 0; p < np; p++)
+        if (!mark || mark[p]) {
+            gemm_panel(a->head.kind == W_BF16, h, H, a->head.w, p, a->logits, V, a->R, V, H);
+            *a->screen_panels += 1;
+        }
+    free(mark);
+}
+
 /* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared
    over the team (no barrier of its own); a barrier follows before its output is read. The norms and SwiGLU, a
    few rows each, are computed by every thread into rows of its own (the same values: no barrier needed after
@@ -316,7 +354,14 @@ int decode_step(const step_args* a) {
                 const int64_t row = a->rows ? a->rows[r] : r;
                 rms_norm_f32(a->x + row * H, H, a->final_norm, h + (int64_t)r * H, H, 1, H, a->eps);
             }
-            product(&a->head, h, H, a->logits, a->V, a->R, a->V, H, 0);
+            if (a->screen.w) {
+                product(&a->screen, h, H, a->logits, a->V, a->R, a->V, H, 0);
+#pragma omp barrier
+#pragma omp single
+                screen_head(a, h);
+            } else {
+                product(&a->head, h, H, a->logits, a->V, a->R, a->V, H, 0);
+            }
             PHASE(PH_HEAD);
         }
         free(h);

@@ -184,33 +184,56 @@ int gemm_has_avx512(void) { return TILE_ROWS == 12; }
    Where a panel has several tiles, the first prefetches the next panel while the others reuse this one from
    cache; a panel of one tile (decode sizes) prefetches PREFETCH_AHEAD bytes ahead of its own loads, which near
    its end runs into the next panel (panels are contiguous; a prefetch past the weight's end does not fault). */
+static int row_block(int tile_rows, int x_bytes, int M, int K) {
+    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * x_bytes)) / tile_rows * tile_rows;
+    if (mb < 4 * tile_rows) mb = 4 * tile_rows;
+    return M <= 2 * mb ? M : mb;
+}
+
+/* rows r0 .. r0 + rows of x against the panel at w (output columns n0 .. n0 + nc): near-equal tiles of at most
+   tile_rows rows (8 -> 4 + 4 with AVX2's 6), the first prefetching from next (or nothing) */
+static void panel_tiles(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, const void* x, int64_t xs,
+                        const char* w, const char* next, int K, const float* b, void* y, int64_t ys, int r0,
+                        int rows, int n0, int nc, int accumulate) {
+    const int tiles = (rows + tile_rows - 1) / tile_rows;
+    int m0 = r0;
+    for (int t = 0; t < tiles; t++) {
+        const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
+        tile(mr, (const char*)x + (int64_t)m0 * xs * x_bytes, xs, w, K,
+             (char*)y + ((int64_t)m0 * ys + n0) * y_bytes, ys, b ? b + n0 : 0, nc, accumulate, t > 0 ? 0 : next);
+        m0 += mr;
+    }
+}
+
 static void gemm_share(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int w_bytes, const void* x,
                        int64_t xs, const void* wp, const float* b, void* y, int64_t ys, int M, int N, int K,
                        int accumulate) {
     if (M <= 0 || N <= 0 || K <= 0) return;
-    const int np = (N + PANEL - 1) / PANEL;
+    const int np = (N + PANEL - 1) / PANEL, mb = row_block(tile_rows, x_bytes, M, K);
     const int64_t panel_bytes = (int64_t)K * PANEL * w_bytes;
-    int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * x_bytes)) / tile_rows * tile_rows;
-    if (mb < 4 * tile_rows) mb = 4 * tile_rows;
-    if (M <= 2 * mb) mb = M;
     for (int r0 = 0; r0 < M; r0 += mb) {
-        const int rows = M - r0 < mb ? M - r0 : mb;
-        const int tiles = (rows + tile_rows - 1) / tile_rows; /* near-equal tiles: 8 -> 4 + 4 with AVX2's 6 */
+        const int rows = M - r0 < mb ? M - r0 : mb, one_tile = rows <= tile_rows;
         /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
         #pragma omp for schedule(static) nowait
         for (int p = 0; p < np; p++) {
             const char* w = (const char*)wp + (int64_t)p * panel_bytes;
             const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-            int m0 = r0;
-            for (int t = 0; t < tiles; t++) {
-                const int mr = (r0 + rows - m0) / (tiles - t) + (((r0 + rows - m0) % (tiles - t)) ? 1 : 0);
-                const char* next = t > 0 ? 0 : tiles == 1 ? w + PREFETCH_AHEAD : p + 1 < np ? w + panel_bytes : 0;
-                tile(mr, (const char*)x + (int64_t)m0 * xs * x_bytes, xs, w, K,
-                     (char*)y + ((int64_t)m0 * ys + n0) * y_bytes, ys, b ? b + n0 : 0, nc, accumulate, next);
-                m0 += mr;
-            }
+            const char* next = one_tile ? w + PREFETCH_AHEAD : p + 1 < np ? w + panel_bytes : 0;
+            panel_tiles(tile, tile_rows, x_bytes, y_bytes, x, xs, w, next, K, b, y, ys, r0, rows, n0, nc, accumulate);
         }
     }
+}
+
+/* Panel p's columns of y[M, N] = x[M, K] . W^T (float32 or bfloat16 panels, no bias), computed as gemm_team
+   computes them (the same row blocks and tiles, so the same values bit for bit), by the calling thread alone:
+   kernels/csrc/decode_step.c's screened LM head recomputes the panels of its candidate columns with it. */
+void gemm_panel(int bf16, const float* x, int64_t xs, const void* wp, int p, float* y, int64_t ys, int M, int N,
+                int K) {
+    const int mb = row_block(TILE_ROWS, 4, M, K), n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+    const char* w = (const char*)wp + (int64_t)p * K * PANEL * (bf16 ? 2 : 4);
+    for (int r0 = 0; r0 < M; r0 += mb)
+        panel_tiles(bf16 ? TILE_BF16 : TILE_F32, TILE_ROWS, 4, 4, x, xs, w, 0, K, 0, y, ys, r0,
+                    M - r0 < mb ? M - r0 : mb, n0, nc, 0);
 }
 
 /* gemm_share's panels shared out over a parallel region of its own */

@@ -62,7 +62,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tup
     forward = engine.runner.model.forward
 
     def recording(*args, **kwargs):
-        out = forward(*args, **kwargs)
+        out = forward(*args, **kwargs | {"argmax_only": False})  # every logit exact, not only the argmax
         logits.append(out.clone())
         return out
 
