@@ -349,13 +349,14 @@ def _screen_counts(step) -> tuple[int, int, int]:
 
 def _screened_head_bytes(step, before: tuple[int, int, int]) -> int | None:
     """Bytes the LM head read per step where the steps since ``before`` screened it (greedy rows,
-    kernels/decode_step.py ``head_screen``): the rounded copy, its bounds, and the float32 panels recomputed;
+    kernels/head_screen.py): the screen, its bounds, and the head's own panels recomputed;
     None where they read the head itself."""
     steps, calls, panels = (now - then for now, then in zip(_screen_counts(step), before, strict=True))
     if step is None or step.screen is None or not calls or not steps:
         return None
-    _, rounded, c = step.screen
-    return rounded.nbytes + c.nbytes + round(panels / steps * step.args.H * 16 * 4)
+    head = step.screen[1]
+    panel_bytes = step.args.H * 16 * (2 if head.fmt == "int8" else 4)  # the head's own panels: bfloat16, float32
+    return head.nbytes + round(panels / steps * panel_bytes)
 
 
 def _time_phases(model):

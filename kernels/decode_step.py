@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import weakref
 
 import numpy as np
 import torch
 
-from kernels import cpu_attention, cpu_gemm, kv_quant, native, packed_gemm
+from kernels import cpu_attention, cpu_gemm, head_screen, kv_quant, native, packed_gemm
 
 SOURCES = ("decode_step.c", "packed_gemm.c", "quant_gemm.c", "decode_attention.c", "prefill_attention.c",
            "rms_norm.c", "rope.c", "activation.c", "argmax.c")
@@ -148,47 +147,6 @@ def _embedding(model) -> _Embed | None:
     return None
 
 
-SCREEN_CHUNK = 256  # panels per pass of head_screen (bounded temporaries)
-_screens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the panels, dropped with them
-
-
-def head_screen(panels: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float32 head's screen for steps whose rows only need their argmax (greedy): its panels rounded to
-    bfloat16, and per output column i a bound c_i with |screened - exact logit| <= |x|_2 c_i for every input row
-    x. Why: the head is a fifth of a small float32 model's step (SmolLM2-135M: 113 of 543 MB); decode_step.c's
-    screen_head reads the half-size copy and recomputes from the float32 panels only the few columns that could
-    hold a row's maximum (1-17 of 49,152 on real text), so the argmax is the full head's, bit for bit.
-    c_i is the rounding's error norm |W_i - bf16(W_i)|_2 (Cauchy-Schwarz) plus both products' float32 rounding,
-    gamma_K (|W_i|_2 + |bf16(W_i)|_2) (K products in any order: gamma_K = K u / (1 - K u), u = 2^-24). The
-    norms are float32 sums of K squares (within gamma_K of exact, their roots within gamma_K / 2 + u; W - bf16(W)
-    is exact in float32), so each bound is raised by 2 gamma_K + 2^-20. Cached per panels tensor (a model's
-    steps share it)."""
-    cached = _screens.get(id(panels))
-    if cached is not None:
-        return cached
-    k, width = panels.shape[1], panels.shape[2]
-    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
-    rounded = panels.to(torch.bfloat16)
-    c = torch.empty(panels.shape[0] * width, dtype=torch.float32)
-    for i in range(0, panels.shape[0], SCREEN_CHUNK):
-        w, b = panels[i:i + SCREEN_CHUNK], rounded[i:i + SCREEN_CHUNK].float()  # [p, K, 16]
-        bound = (w - b).norm(dim=1) + gamma * (w.norm(dim=1) + b.norm(dim=1))
-        c[i * width:(i + w.shape[0]) * width] = bound.flatten() * (1 + 2 * gamma + 2.0**-20)
-    c = c[:n].clone()
-    _screens[id(panels)] = (rounded, c)
-    weakref.finalize(panels, _screens.pop, id(panels), None)
-    return rounded, c
-
-
-def prepare_screen(model) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`head_screen` of ``model``'s head where the fused step screens it (a float32 head in panels, no
-    bias), computed now if not yet; else None."""
-    head = _panels(model.lm_head)
-    if head is None or head[0] != W_F32 or model.lm_head.bias is not None:
-        return None
-    return head_screen(head[1], model.lm_head.out_features)
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -252,24 +210,24 @@ class DecodeStep:
         self.args.V = model.lm_head.out_features
         return True
 
-    def _head_screen(self, model) -> tuple[_Proj, torch.Tensor, torch.Tensor] | None:
-        """The screened head for rows that only need their argmax (:func:`prepare_screen`); None where the
+    def _head_screen(self, model) -> tuple[_Proj, head_screen.HeadScreen] | None:
+        """The screened head for rows that only need their argmax (kernels/head_screen.py); None where the
         model's head is not screened (those steps run the head itself)."""
-        screen = prepare_screen(model)
+        screen = head_screen.prepare(model.lm_head)
         if screen is None:
             return None
-        rounded, c = screen
-        return _Proj(rounded.data_ptr(), None, None, W_BF16, 0), rounded, c
+        kind = W_BF16 if screen.fmt == "bfloat16" else W_I8
+        return _Proj(screen.weight.data_ptr(), None, _ptr(screen.scales), kind, 0), screen
 
     @property
     def screened_panels(self) -> int:
-        """Head panels recomputed from float32 by screened steps so far (what they read beyond the screen)."""
+        """Head panels recomputed from the head itself by screened steps so far (read beyond the screen)."""
         return int(self._screen_panels[0])
 
     def _set_screened(self, on: bool) -> bool:
         """Point the step's head at the screen (``on``, where this model has one) or at the head itself."""
         on = on and self.screen is not None
-        proj, _, c = self.screen if on else (_Proj(), None, None)  # type: ignore[misc]
+        proj, c = (self.screen[0], self.screen[1].bounds) if on else (_Proj(), None)  # type: ignore[index]
         self.args.screen, self.args.screen_c = proj, _ptr(c)
         self.screened_calls += on
         return on
@@ -309,8 +267,8 @@ class DecodeStep:
         last residual stream): rot ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots,
         block tables and lengths from ``meta`` (the leading decodes, then the chunks of several tokens). Where :attr:`has_head`, the logits
         (float32 ``[len(rows), vocab]``, or every row's where ``rows`` is None) too; else None. ``argmax_only``:
-        the caller reads each row's argmax alone (greedy): the head may then be screened (:func:`head_screen`),
-        the argmax exact and the other values approximate."""
+        the caller reads each row's argmax alone (greedy): the head may then be screened
+        (kernels/head_screen.py), the argmax exact and the other values approximate."""
         plan = meta.cache.get("decode_step")
         if plan is None:
             plan = meta.cache["decode_step"] = _step_plan(meta)

@@ -337,7 +337,7 @@ class CausalLM:
     ) -> torch.Tensor:
         """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None).
         ``argmax_only``: the caller reads each row's argmax alone (greedy sampling), so the fused step may screen
-        the head (kernels/decode_step.py, ``head_screen``): the argmax exact, the other values approximate."""
+        the head (kernels/head_screen.py): the argmax exact, the other values approximate."""
         t = input_ids.shape[0]
         if max_position is None:
             max_position = int(positions.max()) if t else 0
@@ -436,12 +436,12 @@ class CausalLM:
         self._decode_step_caches = None
 
     def prepare_decode_step(self) -> None:
-        """Compute the fused step's screened head now (kernels/decode_step.py ``head_screen``: ~0.1 s for SmolLM2
-        in float32) rather than inside the first request's first decode step."""
+        """Compute the fused step's screened head now (kernels/head_screen.py: 0.1-0.3 s for SmolLM2) rather than
+        inside the first request's first decode step."""
         if self.device.type == "cpu":
-            from kernels.decode_step import prepare_screen
+            from kernels import head_screen
 
-            prepare_screen(self)
+            head_screen.prepare(self.lm_head)
 
     def _fused_step(self, kv_caches, meta: AttentionMetadata, t: int, backend: AttentionBackend):
         """The fused decode step where this step qualifies (kernels/decode_step.py says when), else None. Built

@@ -1,17 +1,19 @@
-"""The screened LM head (kernels/decode_step.py ``head_screen``, csrc/decode_step.c ``screen_head``): a greedy
-step reads a float32 head's bfloat16 copy and recomputes from float32 only the panels that could hold a row's
-maximum, so the argmax is the full head's, bit for bit. Checked against the full head on adversarial heads (a
-column whose rounded copy ties or loses to another's), and end to end: the same tokens with and without it."""
+"""The screened LM head (kernels/head_screen.py, csrc/decode_step.c ``screen_head``): a greedy step reads a
+float32 head's bfloat16 copy (a bfloat16 head's int8 one) and recomputes from the head only the panels that
+could hold a row's maximum, so the argmax is the full head's, bit for bit. Checked against the full head on
+adversarial heads (a column whose rounded copy ranks above the true best), and end to end: the same tokens
+with and without it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import decode_step, packed_gemm
+from kernels import decode_step, head_screen, packed_gemm, quant
 from scheduler.request import SamplingParams
 from tests.tiny_models import make_tiny_model
-from tests.unit.test_decode_step import _engine_tokens, packed_runner, prompts
+from tests.unit.test_decode_step import _decode_panels, _engine_tokens, packed_runner, prompts
+from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(decode_step.load() is None, reason="the fused step's library does not build here")
 
@@ -22,36 +24,46 @@ def tied_dir(tmp_path_factory):
                            tie_word_embeddings=True)
 
 
-def test_the_bound_holds_for_every_column():
-    """|x . bf16(W_i) - x . W_i| <= |x|_2 c_i in exact (float64) arithmetic, with room left for the float32
-    products' own rounding, for rows of every scale; and c is per column, length n (not the padded panels)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bound_holds_for_every_column(dtype):
+    """|x . screen_i - x . W_i| <= |x|_2 c_i in exact (float64) arithmetic, with room left for the float32
+    products' own rounding, for rows of every scale; c is per column, length n (not the padded panels)."""
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(70, 96, generator=gen) * torch.logspace(-3, 1, 70)[:, None]
+    w = (torch.randn(70, 96, generator=gen) * torch.logspace(-3, 1, 70)[:, None]).to(dtype)
     panels = packed_gemm.pack(w)
-    rounded, c = decode_step.head_screen(panels, 70)
-    assert rounded.dtype == torch.bfloat16 and rounded.shape == panels.shape and c.shape == (70,)
-    wb = rounded.float().transpose(1, 2).reshape(-1, 96)[:70].double()
+    screen = head_screen.head_screen(panels, 70)
+    assert screen.bounds.shape == (70,) and screen.weight.shape == panels.shape
+    if dtype == torch.float32:
+        assert screen.fmt == "bfloat16" and screen.scales is None
+        values = screen.weight.double()
+    else:
+        assert screen.fmt == "int8" and screen.weight.dtype == torch.int8
+        values = screen.weight.double() * screen.scales.double().view(-1, 1, 16)
+    rows = values.transpose(1, 2).reshape(-1, 96)[:70]
     for scale in (1e-3, 1.0, 1e3):
         x = torch.randn(8, 96, generator=gen, dtype=torch.float64) * scale
-        err = (x @ wb.T - x @ w.double().T).abs()
-        assert (err <= x.norm(dim=1, keepdim=True) * c.double() * 0.99).all()
-    assert decode_step.head_screen(panels, 70)[0] is rounded  # cached per panels tensor
+        err = (x @ rows.T - x @ w.double().T).abs()
+        assert (err <= x.norm(dim=1, keepdim=True) * screen.bounds.double() * 0.99).all()
+    assert head_screen.head_screen(panels, 70) is screen  # cached per panels tensor
 
 
 def _head_only_step(path, weight: torch.Tensor):
     """The fused step of a tiny model with no layers run (L = 0: the rows go straight to the final norm) and
-    ``weight`` [n, H] as its float32 head, screened."""
+    ``weight`` [n, H] (float32 or bfloat16) as its head, screened."""
     runner = packed_runner(path)
     model = runner.model
     model.norm.data.fill_(1.0)  # the head's rows are x / rms(x)
     step = decode_step.DecodeStep.for_model(model, runner.kv_caches)
     assert step is not None and step.screen is not None
     pk = packed_gemm.pack(weight)
-    rounded, c = decode_step.head_screen(pk, weight.shape[0])
+    screen = head_screen.head_screen(pk, weight.shape[0])
+    half = weight.dtype == torch.bfloat16
     step.args.L, step.args.V = 0, weight.shape[0]
-    step.args.head = decode_step._Proj(pk.data_ptr(), None, None, decode_step.W_F32, 0)
-    step.screen = (decode_step._Proj(rounded.data_ptr(), None, None, decode_step.W_BF16, 0), rounded, c)
-    return step, (pk, rounded)
+    step.args.head = decode_step._Proj(pk.data_ptr(), None, None, decode_step.W_BF16 if half else decode_step.W_F32, 0)
+    kind = decode_step.W_I8 if half else decode_step.W_BF16
+    step.screen = (decode_step._Proj(screen.weight.data_ptr(), None, decode_step._ptr(screen.scales), kind, 0),
+                   screen)
+    return step, (pk, screen)
 
 
 def _logits(step, x: torch.Tensor, screened: bool) -> torch.Tensor:
@@ -87,17 +99,53 @@ def test_the_screened_argmax_is_the_full_heads_where_rounding_reorders_the_colum
     40, as the full head does, with 41's exact tie left behind 40; only candidate panels are recomputed."""
     hidden = 64
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(9))
-    step, (pk, rounded) = _head_only_step(tiny_dirs_llama, _adversarial_head(hidden, x))
+    step, (pk, screen) = _head_only_step(tiny_dirs_llama, _adversarial_head(hidden, x))
     if isa == "avx2":  # the AVX2 build's tiles (on an AVX-512 machine a different kernel), both products
         step.lib = decode_step.build({"INFERQ_NO_AVX512": 1})
     full = _logits(step, x, screened=False)
     before = step.screened_panels
     screened = _logits(step, x, screened=True)
     h = x / x.pow(2).mean(dim=1, keepdim=True).add(1e-6).sqrt()
-    rounded_only = h @ rounded.float().transpose(1, 2).reshape(-1, hidden).T
+    rounded_only = h @ screen.weight.float().transpose(1, 2).reshape(-1, hidden).T
     assert int(rounded_only.argmax()) == 5  # the copy alone is wrong here
     assert int(full.argmax()) == 40 and int(screened.argmax()) == 40
     assert full[0, 40] == full[0, 41] and screened[0, 40] == full[0, 40]  # exact, and the tie kept
+    assert 0 < step.screened_panels - before < 4
+
+
+def _int8_reordered_head(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bfloat16 head of near-copies of one column (each off it by a fraction of an int8 step; the last 32
+    columns small) and a row x
+    whose best column by the head differs from its best by the int8 screen (seeds tried until one does)."""
+    for seed in range(200):
+        gen = torch.Generator().manual_seed(seed)
+        base = torch.randn(hidden, generator=gen)
+        step = base.abs().max() / 127
+        w = base + 0.4 * step * torch.randn(64, hidden, generator=gen)
+        w[32:] = 0.01 * torch.randn(32, hidden, generator=gen)  # two panels far below: never candidates
+        w = w.bfloat16()
+        x = torch.randn(1, hidden, generator=gen)
+        h = (x / x.pow(2).mean().sqrt()).double()
+        q = quant.quantize(w.float(), "int8")
+        screened = h @ (q.codes.double() * q.scale.double()[:, None]).T
+        if int(screened.argmax()) != int((h @ w.double().T).argmax()):
+            return w, x
+    raise AssertionError("no seed reorders the columns")
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+def test_a_bfloat16_heads_int8_screen_gives_its_argmax(tiny_dirs_llama, isa):
+    """A bfloat16 head is screened by int8 codes: where they rank another column first, the screened step
+    still gives the head's own argmax (its float32-arithmetic logits'), recomputing some panels, not all."""
+    w, x = _int8_reordered_head(64)
+    step, _ = _head_only_step(tiny_dirs_llama, w)
+    if isa == "avx2":
+        step.lib = decode_step.build({"INFERQ_NO_AVX512": 1})
+    full = _logits(step, x, screened=False)
+    before = step.screened_panels
+    screened = _logits(step, x, screened=True)
+    assert int(screened.argmax()) == int(full.argmax())
+    assert screened[0, int(full.argmax())] == full.max()
     assert 0 < step.screened_panels - before < 4
 
 
@@ -119,15 +167,31 @@ def tiny_dirs_llama(tmp_path_factory):
                            hidden_size=64)
 
 
+def _runner(path, dtype: str):
+    """Every projection and the head in panels for the decode bucket: float32, or bfloat16 weights (computed
+    in bfloat16 where the CPU multiplies it natively, else in float32; the fused step computes in float32)."""
+    if dtype == "float32":
+        return packed_runner(path)
+    runner = ModelRunner(path, block_size=4, device="cpu", kv_cache_bytes=1 << 20, dtype="bfloat16")
+    model = runner.model
+    for lin in [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]:
+        _decode_panels(lin)
+    _decode_panels(model.lm_head)
+    model.use_decode_step(True)
+    return runner
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ahead", [False, True])
-def test_greedy_tokens_are_the_same_with_and_without_the_screen(tied_dir, ahead, monkeypatch):
+def test_greedy_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype, ahead, monkeypatch):
     """Greedy decoding through the engine (one-token steps, or decode-ahead windows in one C call) with the
     screened head, and with it turned off: the same tokens; the screened steps ran and read fewer panels than
     the head has."""
-    runner = packed_runner(tied_dir)
+    runner = _runner(tied_dir, dtype)
     params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
     on, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=6))
     step = runner.model._decode_step
+    assert step.screen[1].fmt == ("bfloat16" if dtype == "float32" else "int8")
     calls, panels = step.screened_calls, step.screened_panels
     n_panels = -(-step.args.V // 16)
     assert calls >= 3 and panels < calls * n_panels
