@@ -114,7 +114,7 @@ class DraftProposer:
                                     torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(dev), self.kv_caches,
                                     meta, self.runner.backend,
                                     logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
-                                    max_position=int(np.max(positions)))
+                                    max_position=int(np.max(positions)), argmax_only=True)  # greedy proposals
         return logits.argmax(-1).tolist() if rows else []
 
 

@@ -335,9 +335,8 @@ class CausalLM:
         max_position: int | None = None,
         argmax_only: bool = False,
     ) -> torch.Tensor:
-        """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None).
-        ``argmax_only``: the caller reads each row's argmax alone (greedy sampling), so the fused step may screen
-        the head (kernels/head_screen.py): the argmax exact, the other values approximate."""
+        """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None); with
+        ``argmax_only`` (greedy) only each row's argmax is exact (kernels/head_screen.py)."""
         t = input_ids.shape[0]
         if max_position is None:
             max_position = int(positions.max()) if t else 0
@@ -436,8 +435,7 @@ class CausalLM:
         self._decode_step_caches = None
 
     def prepare_decode_step(self) -> None:
-        """Compute the fused step's screened head now (kernels/head_screen.py: 0.1-0.3 s for SmolLM2) rather than
-        inside the first request's first decode step."""
+        """The fused step's screened head now (kernels/head_screen.py: 0.1-0.3 s for SmolLM2), not in a step."""
         if self.device.type == "cpu":
             from kernels import head_screen
 

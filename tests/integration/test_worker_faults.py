@@ -31,7 +31,9 @@ from tests.service_fixtures import (  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(170)]
 
-LONG = 1000  # tokens of a job that finishes on its own, but not at once: 1-10 s, depending on the machine
+# tokens of a job that finishes on its own, but not at once (1-10 s, depending on the machine): 1000 took
+# 0.1 s each on a Zen 5, so four finished and the first worker took the next ones before the second read any
+LONG = 4000
 # a job that does not end on its own while a test watches it (it is cancelled, expires or its worker goes),
 # so the tests below never depend on how fast a machine generates: 15000 tokens took under a minute on a
 # 2-core machine, and the time grows faster than the length (attention reads the whole context)
