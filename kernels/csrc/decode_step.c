@@ -263,13 +263,14 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
         qgemm_team(p->kind - W_I8, x, xs, p->w, p->scales, p->group, p->bias, y, ys, M, N, K, accumulate);
 }
 
-/* A greedy step's head from fewer bytes (kernels/decode_step.py, "screened head"): a->logits holds each row's
-   logits from the rounded copy (s); column i's exact logit is within b_i = |row|_2 c_i of s_i, so the row's exact
-   maximum is at least T = max_i (s_i - b_i), and only a column with s_i + b_i >= T can reach it. The panels of those columns are recomputed from the head itself (every row, as
-   the team's product computes them: gemm_panel), and every other column keeps an s_i below T. So the rows'
-   argmax (argmax.c's, the sampler's) is the exact logits' argmax, the first of equal maxima included: equal
-   maxima are all recomputed. A row whose norm is not finite has every panel recomputed. One thread, after the
-   team's screened product; a few panels of 16 columns a row against reading the whole float32 head. */
+/* A greedy step's head from fewer bytes (kernels/head_screen.py says why and how the bounds are made): a->logits
+   holds each row's logits from the screen (s); column i's exact logit is within b_i = |row|_2 c_i of s_i, so the
+   row's exact maximum is at least T = max_i (s_i - b_i), and only a column with s_i + b_i >= T can reach it.
+   The panels of those columns are recomputed from the head itself (every row, as the team's product computes
+   them: gemm_panel), and every other column keeps an s_i below T. So the rows' argmax (argmax.c's, the
+   sampler's) is the exact logits' argmax, the first of equal maxima included: equal maxima are all recomputed.
+   A row whose norm is not finite has every panel recomputed. One thread, after the team's screened product: a
+   few panels of 16 columns a row, against reading the whole head. */
 static void screen_head(const step_args* a, const float* h) {
     const int V = a->V, H = a->H, np = (V + 15) / 16;
     unsigned char* mark = (unsigned char*)calloc((size_t)np, 1);
