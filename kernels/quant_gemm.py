@@ -36,7 +36,6 @@ not chosen) for the fused decode step, which runs them through ``qgemm_team``.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +50,7 @@ from kernels.cpu_gemm import (
     RETIME_REPS,
     SCRATCH_BYTES,
     _bucket,
+    _time,  # one cold-weight probe (QuantLinear takes its contiguous flag and ignores it)
 )
 from kernels.quant import QuantizedWeight
 
@@ -266,13 +266,6 @@ def _measure(q: QuantizedWeight, forms: tuple[str, ...], act8: bool = False) -> 
             best["panels", i] <= KEEP_ONE_MARGIN * best[chosen[i], i] for i in range(len(xs))):
         chosen = ("panels",) * len(xs)
     return chosen + chosen[-1:] * (len(BUCKET_LIMITS) + 1 - len(chosen))
-
-
-def _time(lin: QuantLinear, x: torch.Tensor, scratch: torch.Tensor) -> float:
-    scratch.add_(1.0)  # evict the weight: in the model it is read once per step, cold in the caches
-    t = time.perf_counter()
-    lin(x)
-    return time.perf_counter() - t
 
 
 def _sample(lins: dict, best: dict, i: int, x: torch.Tensor, scratch: torch.Tensor, reps: int) -> None:
