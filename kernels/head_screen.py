@@ -1,5 +1,5 @@
-"""A screened LM head for greedy steps: the argmax of the full head's logits from a copy of the head in fewer
-bytes, plus the few columns of the head itself that could hold the maximum.
+"""A screened LM head for greedy (and temperature-sampled) steps: the argmax of the full head's logits from a
+copy of the head in fewer bytes, plus the few columns of the head itself that could hold the maximum.
 
 Why: at one sequence a step reads every weight once, and the LM head is a fifth of a small model's weights
 (SmolLM2-135M in float32: 113 of 543 MB), read only so that a greedy step can take its logits' argmax. The
@@ -13,7 +13,9 @@ with b_i = |x|_2 c_i (the exact maximum is at least T), and recomputes from the 
 column with s_i + b_i >= T (the only ones that can reach it): on real text 1-17 of SmolLM2's 49,152 columns
 for the bfloat16 screen, 1-126 for the int8 one. Every other column keeps a value below T, so the row's argmax
 is the exact logits' argmax, the first of equal maxima included: the tokens are bit for bit those of the full
-head (tests/unit/test_head_screen.py). Sampling, which reads every logit, runs the head itself.
+head (tests/unit/test_head_screen.py). A row sampled by temperature alone is screened the same way for the
+argmax of its logits plus the sampler's race noise, drawn before the step (worker/sampler.py); a top-k or
+top-p cut reads every logit and runs the head itself.
 
 The bound: by Cauchy-Schwarz the rounding costs at most |x|_2 |W_i - screen_i|_2; each product's float32
 rounding is at most gamma_K sum_k |x_k w_k| <= gamma_K |x|_2 |w|_2 (K products summed in any order,

@@ -333,10 +333,11 @@ class CausalLM:
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,
         max_position: int | None = None,
-        argmax_only: bool = False,
+        argmax_only: bool | torch.Tensor = False,
     ) -> torch.Tensor:
-        """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None); with
-        ``argmax_only`` (greedy) only each row's argmax is exact (kernels/head_screen.py)."""
+        """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None); the head may be
+        screened (kernels/head_screen.py) where only each row's argmax is read (``argmax_only`` True: greedy) or
+        that of logits + ``argmax_only`` (a tensor ``[rows, vocab]``: the sampler's race, worker/sampler.py)."""
         t = input_ids.shape[0]
         if max_position is None:
             max_position = int(positions.max()) if t else 0
@@ -382,7 +383,7 @@ class CausalLM:
     __call__ = forward
 
     def _run_fused(self, fused, x: torch.Tensor, rot: torch.Tensor | None, positions: torch.Tensor,
-                   meta: AttentionMetadata, logits_indices: torch.Tensor | None, argmax_only: bool = False):
+                   meta: AttentionMetadata, logits_indices: torch.Tensor | None, argmax_only=False):
         """The fused step over ``x``: (logits, x) where the head ran inside it, else (None, the last residual
         stream in the model's dtype). A bfloat16 model's step computes in float32 (rotate-half RoPE, float32
         rows: its own tables are rounded)."""
@@ -393,24 +394,22 @@ class CausalLM:
 
     def decode_window(self, kv_caches, backend: AttentionBackend, meta: AttentionMetadata, token: int,
                       slots: torch.Tensor, table: torch.Tensor, pick: Callable[[torch.Tensor, int], int],
-                      stops: set[int], greedy: bool = False) -> list[int] | None:
+                      stops: set[int], greedy: bool = False, race=None) -> list[int] | None:
         """A decode-ahead window of one sequence (worker/model_runner.py ``_decode_ahead``) through the fused
         step, with no per-token metadata: ``token`` first, then each token ``pick(logits, i)`` chooses, until
         ``len(slots)`` tokens or one in ``stops``. ``meta``: the first token's (it decides whether the fused step
         applies); ``slots`` int64 ``[n]`` and ``table`` int32 ``[1, blocks]`` cover the window. Per token, the
         embedding row, the C step (logits into one buffer) and ``pick`` are all that runs; ``greedy`` (``pick`` is
-        the argmax) runs the whole window in one C call where the step can look the tokens up itself. Returns
-        the tokens, or None where the fused step with the LM head inside does not run: the caller then goes
-        token by token."""
+        the argmax) runs the whole window in one C call where the step can look the tokens up itself; else
+        ``race(i)``, drawn before token i's step, is its ``argmax_only`` (``forward``). Returns the tokens, or
+        None where the fused step with the LM head inside does not run: the caller then goes token by token."""
         step = self._fused_step(kv_caches, meta, 1, backend)
         if step is None or not step.has_head:
             return None
         n, pos0 = len(slots), int(meta.seq_lens_host[0]) - 1
         positions = torch.arange(pos0, pos0 + n)
-        if self.dtype != torch.float32:  # as _run_fused: float32 rows, rotate-half
-            rot = self._rope_rows(positions)
-        else:
-            rot = torch.view_as_real(self._rope(positions, pos0 + n - 1)[0]).contiguous()
+        rot = (self._rope_rows(positions) if self.dtype != torch.float32  # as _run_fused: float32, rotate-half
+               else torch.view_as_real(self._rope(positions, pos0 + n - 1)[0]).contiguous())
         if greedy and step.embed is not None:
             return step.run_greedy_window(token, pos0, rot, slots, table, sorted(stops))
         length, ids = torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.long)
@@ -420,7 +419,7 @@ class CausalLM:
             ids[0], length[0] = token, pos0 + i + 1
             x = self._embed_rows(ids)
             step.run_decode(x if x.dtype == torch.float32 else x.float(), rot[i : i + 1], slots[i : i + 1], table,
-                            length, logits)
+                            length, logits, race(i) if race else greedy)
             token = pick(logits, i)
             out.append(token)
             if token in stops:

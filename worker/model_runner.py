@@ -25,7 +25,7 @@ from scheduler.request import Request
 from worker.gptq_weights import packed_config
 from worker.loader import ModelInfo, model_info
 from worker.model import CausalLM, gguf_source, load_config, resolve_device, resolve_dtype
-from worker.sampler import Sampler
+from worker.sampler import RaceDraw, Sampler
 from worker.weights import QUANTIZED_AT_LOAD
 
 log = get_logger(__name__)
@@ -184,6 +184,9 @@ class ModelRunner:
         else:
             self.backend = attention_backend
         self.sampler = Sampler(self.device, seed=seed)
+        # the logits' width (the head's rows, which may exceed config.vocab_size); None on a tensor-parallel
+        # driver, whose steps draw their noise after the logits (no screened head there)
+        self.vocab_size = getattr(getattr(self.model, "lm_head", None), "out_features", None)
         self.graphs = self._decode_graphs(int(cuda_graph_max_batch))
         if (prepare := getattr(self.model, "prepare_decode_step", None)) is not None:  # not on a TP driver
             prepare()
@@ -311,11 +314,9 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------------
 
-    def _forward(self, batch: Sequence[tuple[Request, int]],
-                 argmax_only: bool = False) -> tuple[StepInputs, torch.Tensor]:
-        """Run the model on one step; returns its inputs (order, reordered requests, sampling rows) and the
-        logits of the sampling rows (``argmax_only``: only their argmax is read, CausalLM.forward says why)."""
-        step = self._prepare(batch)
+    def _forward(self, step: StepInputs, argmax_only: bool | torch.Tensor = False) -> torch.Tensor:
+        """Run the model on one prepared step; returns the logits of its sampling rows (``argmax_only``: only
+        their argmax is read, or that of logits + the tensor; CausalLM.forward says why)."""
         dev = self.device
         max_pos = int(step.seq_lens.max()) - 1
         if max_pos >= self.info.max_model_len:
@@ -323,7 +324,7 @@ class ModelRunner:
         if self.graphs is not None and len(step.input_ids) == len(step.requests) == step.sample_rows.size:
             logits = self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.block_tables)
             if logits is not None:  # a plain decode step, replayed
-                return step, logits
+                return logits
         meta = AttentionMetadata.build(
             slot_mapping=step.slot_mapping,
             block_tables=step.block_tables,
@@ -334,7 +335,7 @@ class ModelRunner:
             scale=self.model.scale,
         )
         # All-prefill-chunk steps sample nothing: an empty index skips the LM head.
-        logits = self.model.forward(
+        return self.model.forward(
             torch.tensor(step.input_ids, dtype=torch.long, device=dev),
             torch.from_numpy(step.positions).to(dev),
             self.kv_caches,
@@ -344,7 +345,6 @@ class ModelRunner:
             max_position=max_pos,
             argmax_only=argmax_only,
         )
-        return step, logits
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[tuple[Request, int]]) -> list[int | list[int] | None]:
@@ -362,16 +362,19 @@ class ModelRunner:
             return []
         if len(batch) == 1 and batch[0][0].decode_ahead and batch[0][0].spec_token_ids:
             return [self._decode_ahead(*batch[0])]
-        # every sampling row greedy: the sampler reads the logits' argmax alone
-        step, logits = self._forward(batch, argmax_only=all(r.sampling.greedy for r, _ in batch))
-        results: list[int | list[int] | None] = [None] * len(batch)
-        if step.sample_rows.size == 0:
-            return results
+        step = self._prepare(batch)
         sampled = [step.requests[i] for i in step.sample_rows]
         counts = step.num_logits.tolist()
         params = [r.sampling for r, c in zip(sampled, counts, strict=True) for _ in range(c)]
         indices = [r.num_output_tokens + j for r, c in zip(sampled, counts, strict=True) for j in range(c)]
-        tokens = self.sampler.sample(logits, params, indices)
+        # every sampling row greedy: the sampler reads the logits' argmax alone; temperature alone: the argmax
+        # of logits + the race's offsets, its noise drawn now (worker/sampler.py)
+        race = self.sampler.race(params, indices, self.vocab_size) if params and self.vocab_size else None
+        logits = self._forward(step, race.offsets if race else all(p.greedy for p in params))
+        results: list[int | list[int] | None] = [None] * len(batch)
+        if step.sample_rows.size == 0:
+            return results
+        tokens = self.sampler.sample(logits, params, indices, race)
         at = 0
         for row, req, c in zip(step.sample_rows.tolist(), sampled, counts, strict=True):
             if c == 1:
@@ -407,13 +410,19 @@ class ModelRunner:
                                            seq_lens=positions[i : i + 1] + 1, query_start_loc=qsl, block_size=bs,
                                            device=dev, scale=self.model.scale)
 
+        draws: dict[int, RaceDraw | None] = {}
+
+        def race(i: int) -> torch.Tensor | bool:  # token i's noise, before its step (execute says why)
+            draws[i] = self.sampler.race([sp], [first + i], self.vocab_size) if self.vocab_size else None
+            return draws[i].offsets if draws[i] else sp.greedy  # type: ignore[union-attr]
+
         def pick(logits: torch.Tensor, i: int) -> int:
-            return int(self.sampler.sample(logits, [sp], [first + i])[0])
+            return int(self.sampler.sample(logits, [sp], [first + i], draws.pop(i, None))[0])
 
         decode_window = getattr(self.model, "decode_window", None)  # not on a tensor-parallel driver
         if dev.type == "cpu" and decode_window is not None:  # the fused step's own loop, where it runs
             window = decode_window(self.kv_caches, self.backend, meta_at(0), token, torch.from_numpy(slots),
-                                   torch.from_numpy(table), pick, stops, greedy=sp.greedy)
+                                   torch.from_numpy(table), pick, stops, greedy=sp.greedy, race=race)
             if window is not None:
                 return window
         rows, tokens = torch.zeros(1, dtype=torch.long, device=dev), []
@@ -423,7 +432,7 @@ class ModelRunner:
             if logits is None:
                 logits = self.model.forward(torch.tensor([token], device=dev), torch.tensor([pos], device=dev),
                                             self.kv_caches, meta_at(i), self.backend, logits_indices=rows,
-                                            max_position=pos)
+                                            max_position=pos, argmax_only=race(i))
             token = pick(logits, i)
             tokens.append(token)
             if token in stops:
@@ -436,7 +445,8 @@ class ModelRunner:
         tests and tools."""
         if not batch:
             return []
-        step, logits = self._forward(batch)
+        step = self._prepare(batch)
+        logits = self._forward(step)
         out: list[torch.Tensor | None] = [None] * len(batch)
         last = np.cumsum(step.num_logits) - 1  # the row of each sequence's last position
         for j, row in enumerate(step.sample_rows.tolist()):

@@ -134,6 +134,7 @@ typedef struct {
     step_proj screen;      /* the head's weight rounded to fewer bytes, in panels of its own kind */
     const float* screen_c; /* [V]: |screened - exact logit of column i| <= |row|_2 * screen_c[i] */
     int64_t* screen_panels; /* the panels recomputed are added here (bench/latency.py counts the bytes read) */
+    const float* screen_add; /* [R, V] or NULL: each row's argmax is that of logits + these (the sampler's race) */
 } step_args;
 
 /* The rotate-half form of rope_interleaved_f32 (the pairs of a head are (j, j + half)), for a model that keeps
@@ -270,23 +271,32 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
    them: gemm_panel), and every other column keeps an s_i below T. So the rows' argmax (argmax.c's, the
    sampler's) is the exact logits' argmax, the first of equal maxima included: equal maxima are all recomputed.
    A row whose norm is not finite has every panel recomputed. One thread, after the team's screened product: a
-   few panels of 16 columns a row, against reading the whole head. */
+   few panels of 16 columns a row, against reading the whole head.
+   With screen_add (a sampled row: n_i = -t log q_i, worker/sampler.py) the same for the argmax of z_i + n_i,
+   the sampler's fl(fl(z_i / t) - log q_i) times t: each bound widens by e_i = 2^-20 (|s_i| + b_i + |n_i|),
+   far above that float32 arithmetic's rounding (2^-23 of the same sum, a few ulps more for n_i's own). */
 static void screen_head(const step_args* a, const float* h) {
     const int V = a->V, H = a->H, np = (V + 15) / 16;
     unsigned char* mark = (unsigned char*)calloc((size_t)np, 1);
     for (int r = 0; r < a->R; r++) {
         const float *x = h + (int64_t)r * H, *s = a->logits + (int64_t)r * V;
+        const float* add = a->screen_add ? a->screen_add + (int64_t)r * V : NULL;
         double n2 = 0.0;
         for (int k = 0; k < H; k++) n2 += (double)x[k] * x[k];
         const double hn = sqrt(n2) * (1.0 + 1e-9); /* the double sum's own rounding, and then some */
         double T = -INFINITY;
         if (mark && isfinite(hn))
             for (int i = 0; i < V; i++) {
-                const double lo = (double)s[i] - hn * a->screen_c[i];
+                const double b = hn * a->screen_c[i], n = add ? add[i] : 0.0;
+                const double e = add ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
+                const double lo = (double)s[i] - b + n - e;
                 if (lo > T) T = lo;
             }
-        for (int i = 0; mark && i < V; i++) /* NaN compares false: a candidate */
-            if (!((double)s[i] + hn * a->screen_c[i] < T)) mark[i / 16] = 1;
+        for (int i = 0; mark && i < V; i++) { /* NaN compares false: a candidate */
+            const double b = hn * a->screen_c[i], n = add ? add[i] : 0.0;
+            const double e = add ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
+            if (!((double)s[i] + b + n + e < T)) mark[i / 16] = 1;
+        }
     }
     for (int p = 0; p < np; p++)
         if (!mark || mark[p]) {

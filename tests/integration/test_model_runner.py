@@ -379,7 +379,31 @@ def test_sampler_greedy_topk_topp_and_distribution():
     for i in range(n):
         counts[s.sample(row, [p], [i])[0]] += 1
     torch.testing.assert_close(counts / n, torch.softmax(row[0], 0), atol=0.03, rtol=0)
+    counts = torch.zeros(4)  # unseeded rows too (the sampler's own generator)
+    for i in range(n):
+        counts[s.sample(row, [SamplingParams(temperature=1.0)], [i])[0]] += 1
+    torch.testing.assert_close(counts / n, torch.softmax(row[0], 0), atol=0.03, rtol=0)
     # Greedy rows in a mixed batch stay argmax; seeded rows do not depend on their neighbours.
     a = s.sample(torch.cat([logits, row]), [greedy, SamplingParams(seed=3), p], [0, 0, 5])
     b = s.sample(row, [p], [5])
     assert a[0] == 1 and a[2] == b[0]
+
+
+def test_the_race_drawn_before_the_step_gives_the_samplers_tokens():
+    """``Sampler.race`` draws the noise ``sample`` would (seeded rows: the same tokens), and each row's token is
+    the argmax of logits + its offsets (what a screened head reads, kernels/head_screen.py); rows with a top-k
+    or top-p cut, or a tiny temperature, get no race."""
+    s = Sampler("cpu", seed=0)
+    gen = torch.Generator().manual_seed(2)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3),
+              SamplingParams(temperature=1.3, seed=9)]
+    for i in range(200):
+        logits = torch.randn(3, 50, generator=gen) * 3
+        race = s.race(params, [i, i, i + 1], 50)
+        assert race is not None and race.log_q.shape == (2, 50) and not race.offsets[0].any()
+        tokens = s.sample(logits, params, [i, i, i + 1], race)
+        assert tokens == s.sample(logits, params, [i, i, i + 1])
+        assert tokens == (logits + race.offsets).argmax(dim=1).tolist()
+    for cut in (SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(temperature=0.01)):
+        assert s.race([params[1], cut], [0, 0], 50) is None
+    assert s.race([params[0]], [0], 50) is None  # greedy alone: nothing to draw

@@ -205,9 +205,95 @@ def _unscreened(step) -> bool:
     return False
 
 
-def test_sampled_steps_read_the_head_itself(tied_dir):
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=9, temperature=0.8, top_k=5, seed=1, ignore_eos=True),
+                                    SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+                                    SamplingParams(max_tokens=9, temperature=0.01, seed=1, ignore_eos=True)])
+def test_steps_sampled_with_a_cut_or_a_tiny_temperature_read_the_head_itself(tied_dir, params):
     runner = packed_runner(tied_dir)
-    params = SamplingParams(max_tokens=9, temperature=0.8, seed=1, ignore_eos=True)
     _engine_tokens(runner, False, params, prompts(2, seed=1))
     assert runner.model._decode_step.screened_calls == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ahead", [False, True])
+def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype, ahead, monkeypatch):
+    """Rows sampled by temperature alone draw their race noise before the step and screen the head for the
+    argmax of logits + offsets: with seeds, the very tokens of the unscreened head (one-token steps, and
+    decode-ahead windows stepping in Python); fewer panels read than the head has."""
+    runner = _runner(tied_dir, dtype)
+    params = SamplingParams(max_tokens=33, temperature=1.0, seed=4, ignore_eos=True)
+    on, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=7))
+    step = runner.model._decode_step
+    calls, panels = step.screened_calls, step.screened_panels
+    assert calls >= 3 * 32 and panels < calls * -(-step.args.V // 16)
+    monkeypatch.setattr(decode_step.DecodeStep, "_set_screened", lambda self, on: _unscreened(self))
+    off, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=7))
+    assert on == off and step.screened_calls == calls
+    assert len({t for row in on for t in row}) > 10  # sampled, not a greedy walk
+
+
+def _race_winners(step, x: torch.Tensor, temperature: float, draws: int, seed: int):
+    """For ``draws`` Exp(1) noise rows q: the exponential race's winner (argmax fl(z / t) - log q, the sampler's
+    arithmetic) from the full head's logits z and from the screened step given offsets -t log q; with the
+    exact logits and the screened values at each screened winner."""
+    gen = torch.Generator().manual_seed(seed)
+    full = _logits(step, x, screened=False)
+    out = []
+    for _ in range(draws):
+        log_q = torch.empty(full.shape).exponential_(generator=gen).clamp_min_(1e-30).log()
+        offsets = (log_q * -temperature).contiguous()
+        screened = _logits(step, x, screened=offsets)
+        want = int((full / temperature - log_q).argmax())
+        got = int((screened / temperature - log_q).argmax())
+        out.append((want, got, float(full[0, got]), float(screened[0, got])))
+    return out
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+@pytest.mark.parametrize("head", ["float32", "bfloat16"])
+def test_the_screened_race_winner_is_the_full_heads(tiny_dirs_llama, isa, head):
+    """Heads whose screened copy reorders near-equal columns, spread over several panels, so the noise decides
+    the winner: for every draw and two temperatures the screened step's race winner is the full head's, its
+    logit exact (its panel recomputed); winners land in more than one panel; not every panel is read."""
+    hidden = 64
+    if head == "float32":  # 48 columns along the row, their logits (about 32) spread by 0.6, bounds about 0.06
+        gen = torch.Generator().manual_seed(9)
+        x = torch.randn(1, hidden, generator=gen)
+        w = torch.randn(64, hidden, generator=gen) * 0.01
+        w[:48] += (x[0] / x[0].norm() * 4) * (1 + 0.02 * torch.rand(48, 1, generator=gen))
+    else:
+        w, x = _int8_reordered_head(hidden)
+    step, _ = _head_only_step(tiny_dirs_llama, w)
+    if isa == "avx2":
+        step.lib = decode_step.build({"INFERQ_NO_AVX512": 1})
+    before, winners = step.screened_panels, set()
+    for t in (0.3, 1.0):
+        for want, got, exact, value in _race_winners(step, x, t, 60, seed=int(t * 10)):
+            assert got == want and value == exact
+            winners.add(want)
+    assert len({c // 16 for c in winners}) > 1
+    assert step.screened_panels - before < 120 * 4
+
+
+def test_the_screened_race_samples_the_softmax(tiny_dirs_llama):
+    """Sampling through the screened step follows softmax(z / t) of the full head's logits (a chi-square test
+    over the near-equal columns, unseeded noise: 4,000 draws, p > 0.001)."""
+    w, x = _int8_reordered_head(64)
+    step, _ = _head_only_step(tiny_dirs_llama, w)
+    t = 0.7
+    full = _logits(step, x, screened=False)[0].double()
+    p = torch.softmax(full / t, 0)
+    counts = torch.zeros(64)
+    for _, got, _, _ in _race_winners(step, x, t, 4000, seed=11):
+        counts[got] += 1
+    keep = p * 4000 >= 5  # chi-square's expected counts; the rest pooled
+    expected = torch.cat([p[keep] * 4000, (p[~keep] * 4000).sum().view(1)])
+    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)]).double()
+    if expected[-1] < 5:  # too rare to test: leave the pool out (it must then be nearly empty)
+        assert observed[-1] <= 5
+        expected, observed = expected[:-1] * observed[:-1].sum() / expected[:-1].sum(), observed[:-1]
+    assert int(keep.sum()) >= 10
+    stat = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+    assert float(torch.special.gammaincc(dof, stat / 2)) > 1e-3  # the chi-square survival function
 
