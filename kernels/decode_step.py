@@ -69,7 +69,8 @@ class _Args(ctypes.Structure):
                 ("rot", _P), ("rope_half", _I), ("slots", _P), ("nd", _I), ("bt", _P), ("bt_ss", _I64), ("lens", _P), ("max_len", _I),
                 ("np", _I), ("p_bt", _P), ("p_bt_ss", _I64), ("p_qs", _P), ("p_ctx", _P), ("p_first", _P),
                 ("final_norm", _P), ("head", _Proj), ("V", _I), ("R", _I), ("rows", _P), ("logits", _P),
-                ("screen", _Proj), ("screen_c", _P), ("screen_panels", _P), ("screen_add", _P)]
+                ("screen", _Proj), ("screen_c", _P), ("screen_panels", _P), ("screen_add", _P),
+                ("screen_k", _P)]
 
 
 class _Embed(ctypes.Structure):  # decode_step.c's step_embed
@@ -224,18 +225,17 @@ class DecodeStep:
         """Head panels recomputed from the head itself by screened steps so far (read beyond the screen)."""
         return int(self._screen_panels[0])
 
-    def _set_screened(self, on: bool | torch.Tensor) -> bool:
+    def _set_screened(self, on: bool | head_screen.ScreenRows) -> bool:
         """Point the step's head at the screen (``on``, where this model has one) or at the head itself; ``on``
-        a tensor: the race offsets added to the rows' logits before their argmax (:meth:`run` says so)."""
-        add = on if isinstance(on, torch.Tensor) else None
-        on = (add is not None or on is True) and self.screen is not None
+        a :class:`~kernels.head_screen.ScreenRows`: what is read of each row instead of its argmax."""
+        rows = on if isinstance(on, head_screen.ScreenRows) else None
+        on = (rows is not None or on is True) and self.screen is not None
         proj, c = (self.screen[0], self.screen[1].bounds) if on else (_Proj(), None)  # type: ignore[index]
-        if on and add is not None:
-            if add.dtype != torch.float32 or add.shape != (self.args.R, self.args.V) or not add.is_contiguous():
-                raise ValueError(f"race offsets {tuple(add.shape)} {add.dtype}: float32 [{self.args.R}, "
-                                 f"{self.args.V}] expected, dense")
+        if on and rows is not None:
+            _check_rows(rows, self.args.R, self.args.V)
         self.args.screen, self.args.screen_c = proj, _ptr(c)
-        self.args.screen_add = _ptr(add) if on else None
+        self.args.screen_add = _ptr(rows.offsets) if on and rows is not None else None
+        self.args.screen_k = _ptr(rows.top_k) if on and rows is not None else None
         self.screened_calls += on
         return on
 
@@ -269,14 +269,14 @@ class DecodeStep:
                 and (meta.num_decodes == meta.num_seqs or self.chunks))
 
     def run(self, x: torch.Tensor, rot: torch.Tensor, meta, rows: torch.Tensor | None = None,
-            argmax_only: bool | torch.Tensor = False) -> torch.Tensor | None:
+            argmax_only: bool | head_screen.ScreenRows = False) -> torch.Tensor | None:
         """Every layer over ``x`` (float32 ``[M, H]``, dense, whatever the model's dtype; updated in place to the
         last residual stream): rot ``[M, D/2, 2]`` float32 (cos, sin per token and frequency), the step's slots,
         block tables and lengths from ``meta`` (the leading decodes, then the chunks of several tokens). Where :attr:`has_head`, the logits
         (float32 ``[len(rows), vocab]``, or every row's where ``rows`` is None) too; else None. ``argmax_only``:
-        the caller reads each row's argmax alone (True: greedy), or that of logits + it (float32 ``[rows,
-        vocab]``: the sampler's race, worker/sampler.py): the head may then be screened (kernels/head_screen.py),
-        that argmax exact and the other values approximate."""
+        the caller reads each row's argmax alone (True: greedy), or what a ``ScreenRows`` says (the sampler's
+        race or top-k cut, worker/sampler.py): the head may then be screened (kernels/head_screen.py), what is
+        read exact and the other values approximate."""
         plan = meta.cache.get("decode_step")
         if plan is None:
             plan = meta.cache["decode_step"] = _step_plan(meta)
@@ -289,7 +289,8 @@ class DecodeStep:
         return logits
 
     def run_decode(self, x: torch.Tensor, rot: torch.Tensor, slot: torch.Tensor, table: torch.Tensor,
-                   length: torch.Tensor, logits: torch.Tensor, argmax_only: bool | torch.Tensor = False) -> None:
+                   length: torch.Tensor, logits: torch.Tensor,
+                   argmax_only: bool | head_screen.ScreenRows = False) -> None:
         """One sequence's decode step from its own tensors, no metadata (a decode-ahead window, worker/model.py
         ``decode_window``): x float32 ``[1, H]``, rot ``[1, D/2, 2]``, slot int64 ``[1]``, table int32
         ``[1, blocks]``, length int32 ``[1]`` (the sequence's tokens, this one included, as read by the C side
@@ -327,7 +328,7 @@ class DecodeStep:
         return out[:made].tolist()
 
     def call(self, x: torch.Tensor, rot: torch.Tensor, plan, rows: torch.Tensor | None,
-             logits: torch.Tensor | None, screened: bool | torch.Tensor = False) -> None:
+             logits: torch.Tensor | None, screened: bool | head_screen.ScreenRows = False) -> None:
         """The C step over ``x`` with the tables of ``plan`` (:func:`_step_plan`'s form); logits (where
         :attr:`has_head`) into ``logits``, rows ``rows`` (int64) or every row; ``screened`` (:meth:`run`'s
         ``argmax_only``): from the screened head where there is one (only their argmax exact)."""
@@ -345,6 +346,15 @@ class DecodeStep:
         self.steps += 1
         if err:
             raise RuntimeError(f"fused decode step failed (code {err}: 1 a shape the attention kernel does not take, 2 out of memory)")
+
+
+def _check_rows(rows: head_screen.ScreenRows, r: int, v: int) -> None:
+    """The C side reads ``rows`` as dense float32 ``[r, v]`` offsets and int32 ``[r]`` k."""
+    add, k = rows.offsets, rows.top_k
+    if add.dtype != torch.float32 or add.shape != (r, v) or not add.is_contiguous():
+        raise ValueError(f"race offsets {tuple(add.shape)} {add.dtype}: float32 [{r}, {v}] expected, dense")
+    if k is not None and (k.dtype != torch.int32 or k.shape != (r,) or not k.is_contiguous()):
+        raise ValueError(f"top-k {tuple(k.shape)} {k.dtype}: int32 [{r}] expected, dense")
 
 
 _NO_CHUNKS = (0, torch.zeros((0, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),

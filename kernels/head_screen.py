@@ -14,8 +14,8 @@ column with s_i + b_i >= T (the only ones that can reach it): on real text 1-17 
 for the bfloat16 screen, 1-126 for the int8 one. Every other column keeps a value below T, so the row's argmax
 is the exact logits' argmax, the first of equal maxima included: the tokens are bit for bit those of the full
 head (tests/unit/test_head_screen.py). A row sampled by temperature alone is screened the same way for the
-argmax of its logits plus the sampler's race noise, drawn before the step (worker/sampler.py); a top-k or
-top-p cut reads every logit and runs the head itself.
+argmax of its logits plus the sampler's race noise, drawn before the step (worker/sampler.py), and a top-k
+row for its k largest logits (``ScreenRows``); a top-p cut reads every logit and runs the head itself.
 
 The bound: by Cauchy-Schwarz the rounding costs at most |x|_2 |W_i - screen_i|_2; each product's float32
 rounding is at most gamma_K sum_k |x_k w_k| <= gamma_K |x|_2 |w|_2 (K products summed in any order,
@@ -36,6 +36,17 @@ CHUNK = 256  # panels per float64 pass of the bounds (bounded temporaries)
 U = 2.0**-24  # float32's unit roundoff
 
 _screens: dict[int, HeadScreen] = {}  # by id of the head's panels, dropped with them
+
+
+@dataclass(frozen=True)
+class ScreenRows:
+    """What a step's caller reads of each logits row beyond greedy's argmax, so that the head may still be
+    screened: the argmax of logits + ``offsets`` (float32 ``[rows, V]``: zero for a greedy row, ``-t log q``
+    for the sampler's race), or, where ``top_k[r]`` > 0 (int32 ``[rows]``), row r's top_k[r] largest logits
+    (the sampler's top-k cut, its race run after it on exact values)."""
+
+    offsets: torch.Tensor
+    top_k: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

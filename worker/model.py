@@ -333,11 +333,11 @@ class CausalLM:
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,
         max_position: int | None = None,
-        argmax_only: bool | torch.Tensor = False,
+        argmax_only=False,
     ) -> torch.Tensor:
         """Logits (float32) ``[len(logits_indices), vocab]`` (or for every token if indices is None); the head may be
         screened (kernels/head_screen.py) where only each row's argmax is read (``argmax_only`` True: greedy) or
-        that of logits + ``argmax_only`` (a tensor ``[rows, vocab]``: the sampler's race, worker/sampler.py)."""
+        what a ``head_screen.ScreenRows`` says (the sampler's race or top-k cut, worker/sampler.py)."""
         t = input_ids.shape[0]
         if max_position is None:
             max_position = int(positions.max()) if t else 0

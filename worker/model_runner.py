@@ -21,6 +21,7 @@ from inferq.log import get_logger
 from kernels import kv_quant
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 from kernels.backend import get_backend
+from kernels.head_screen import ScreenRows
 from scheduler.request import Request
 from worker.gptq_weights import packed_config
 from worker.loader import ModelInfo, model_info
@@ -314,9 +315,9 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------------
 
-    def _forward(self, step: StepInputs, argmax_only: bool | torch.Tensor = False) -> torch.Tensor:
+    def _forward(self, step: StepInputs, argmax_only: bool | ScreenRows = False) -> torch.Tensor:
         """Run the model on one prepared step; returns the logits of its sampling rows (``argmax_only``: only
-        their argmax is read, or that of logits + the tensor; CausalLM.forward says why)."""
+        their argmax is read, or what the ScreenRows say; CausalLM.forward says why)."""
         dev = self.device
         max_pos = int(step.seq_lens.max()) - 1
         if max_pos >= self.info.max_model_len:
@@ -367,10 +368,10 @@ class ModelRunner:
         counts = step.num_logits.tolist()
         params = [r.sampling for r, c in zip(sampled, counts, strict=True) for _ in range(c)]
         indices = [r.num_output_tokens + j for r, c in zip(sampled, counts, strict=True) for j in range(c)]
-        # every sampling row greedy: the sampler reads the logits' argmax alone; temperature alone: the argmax
-        # of logits + the race's offsets, its noise drawn now (worker/sampler.py)
+        # every sampling row greedy: the sampler reads the logits' argmax alone; else, with no top-p cut, the
+        # argmax of logits + the race's offsets (its noise drawn now) or a top-k row's k largest (worker/sampler.py)
         race = self.sampler.race(params, indices, self.vocab_size) if params and self.vocab_size else None
-        logits = self._forward(step, race.offsets if race else all(p.greedy for p in params))
+        logits = self._forward(step, race.screen if race else all(p.greedy for p in params))
         results: list[int | list[int] | None] = [None] * len(batch)
         if step.sample_rows.size == 0:
             return results
@@ -412,9 +413,9 @@ class ModelRunner:
 
         draws: dict[int, RaceDraw | None] = {}
 
-        def race(i: int) -> torch.Tensor | bool:  # token i's noise, before its step (execute says why)
+        def race(i: int) -> ScreenRows | bool:  # token i's noise, before its step (execute says why)
             draws[i] = self.sampler.race([sp], [first + i], self.vocab_size) if self.vocab_size else None
-            return draws[i].offsets if draws[i] else sp.greedy  # type: ignore[union-attr]
+            return draws[i].screen if draws[i] else sp.greedy  # type: ignore[union-attr]
 
         def pick(logits: torch.Tensor, i: int) -> int:
             return int(self.sampler.sample(logits, [sp], [first + i], draws.pop(i, None))[0])

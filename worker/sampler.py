@@ -6,9 +6,9 @@ is needed. For a seeded request the noise vector for output index i is drawn fro
 a hash of (seed, i), so the token depends only on the logits, the seed and i — not on which other requests
 share the batch, nor on preemption and recomputation. Unseeded requests draw from one global generator.
 
-Where every sampling row is greedy or samples by temperature alone (no top-k or top-p cut), the noise can be
-drawn before the step (:meth:`Sampler.race`): the step then reads only each row's argmax of
-``logits + offsets`` (offsets ``-T log q``), which lets it screen its LM head (kernels/head_screen.py), and
+Where no sampling row has a top-p cut, the noise can be drawn before the step (:meth:`Sampler.race`): the step
+then reads only each row's argmax of ``logits + offsets`` (offsets ``-T log q``; zero for a greedy row), or
+a top-k row's k largest logits, which lets it screen its LM head (kernels/head_screen.py), and
 :meth:`Sampler.sample` takes the same draw, so the token is the one the unscreened logits give.
 """
 
@@ -21,12 +21,16 @@ import numpy as np
 import torch
 
 from kernels import cpu_norm
+from kernels.head_screen import ScreenRows
 from scheduler.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 # Below this temperature a row is not screened: logits / T could overflow to equal infinities, whose first
 # index the screen (which bounds the logits, not their quotients) does not keep.
 MIN_RACE_TEMPERATURE = 0.05
+# A top-k cut above this is not screened: the step keeps a heap of k bounds per row (and a large k reads most
+# of the head anyway).
+MAX_SCREENED_TOP_K = 1024
 
 
 def _splitmix64(x: int) -> int:
@@ -54,11 +58,12 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class RaceDraw:
     """The exponential race's noise for one step's sampling rows, drawn before their logits exist:
-    ``log_q`` ``[non-greedy rows, V]`` (the log of the Exp(1) draws) and ``offsets`` ``[rows, V]``, each
-    row's ``-T log q`` (zero for a greedy row): its token is the argmax of ``logits + offsets``."""
+    ``log_q`` ``[non-greedy rows, V]`` (the log of the Exp(1) draws), and ``screen``, what the step's caller
+    reads of each row: the argmax of ``logits + offsets`` (``-T log q``, zero for a greedy row), or a top-k
+    row's k largest logits (its race runs after the cut)."""
 
     log_q: torch.Tensor
-    offsets: torch.Tensor
+    screen: ScreenRows
 
 
 class Sampler:
@@ -112,10 +117,12 @@ class Sampler:
 
     def race(self, params: Sequence[SamplingParams], output_indices: Sequence[int], vocab: int) -> RaceDraw | None:
         """The noise of these sampling rows, drawn now (before the step) where some row samples and every such
-        row samples by temperature alone, at least :data:`MIN_RACE_TEMPERATURE` (a top-k or top-p cut needs
-        every logit); else None. The same draws as :meth:`sample` would make, in the same order."""
+        row has a temperature of at least :data:`MIN_RACE_TEMPERATURE`, no top-p cut (which needs every logit)
+        and a top-k cut of at most :data:`MAX_SCREENED_TOP_K`, if any; else None. The same draws as
+        :meth:`sample` would make, in the same order."""
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not rows or any(params[i].temperature < MIN_RACE_TEMPERATURE or 0 < params[i].top_k < vocab
+        ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        if not rows or any(params[i].temperature < MIN_RACE_TEMPERATURE or ks[i] > MAX_SCREENED_TOP_K
                            or params[i].top_p < 1.0 for i in rows):
             return None
         ps = [params[i] for i in rows]
@@ -123,7 +130,8 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in ps], device=self.device, dtype=torch.float32)
         offsets = torch.zeros((len(params), vocab), dtype=torch.float32, device=self.device)
         offsets[rows] = log_q * -temps[:, None]
-        return RaceDraw(log_q, offsets)
+        top_k = torch.tensor(ks, dtype=torch.int32) if any(ks[i] for i in rows) else None
+        return RaceDraw(log_q, ScreenRows(offsets, top_k))
 
     @staticmethod
     def _apply_top_k_top_p(x: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:

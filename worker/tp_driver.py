@@ -123,7 +123,7 @@ class TPDriver:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend: AttentionBackend, logits_indices: torch.Tensor | None = None,
-                max_position: int | None = None, argmax_only: bool = False) -> torch.Tensor:
+                max_position: int | None = None, argmax_only=False) -> torch.Tensor:
         """Logits of the step (rank 0's gathered rows), as ``CausalLM.forward`` returns them (every value exact:
         ``argmax_only`` is taken for the signature's sake)."""
         if logits_indices is None:

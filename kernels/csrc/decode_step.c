@@ -135,6 +135,7 @@ typedef struct {
     const float* screen_c; /* [V]: |screened - exact logit of column i| <= |row|_2 * screen_c[i] */
     int64_t* screen_panels; /* the panels recomputed are added here (bench/latency.py counts the bytes read) */
     const float* screen_add; /* [R, V] or NULL: each row's argmax is that of logits + these (the sampler's race) */
+    const int32_t* screen_k; /* [R] or NULL: where > 0, the row's that many largest logits are read instead */
 } step_args;
 
 /* The rotate-half form of rope_interleaved_f32 (the pairs of a head are (j, j + half)), for a model that keeps
@@ -264,6 +265,37 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
         qgemm_team(p->kind - W_I8, x, xs, p->w, p->scales, p->group, p->bias, y, ys, M, N, K, accumulate);
 }
 
+/* A min-heap of doubles in h[0, n): push x as element n; replace the root (the least) by x. */
+static void heap_sift_down(double* h, int n, int i) {
+    for (;;) {
+        int m = i;
+        const int l = 2 * i + 1, r = l + 1;
+        if (l < n && h[l] < h[m]) m = l;
+        if (r < n && h[r] < h[m]) m = r;
+        if (m == i) return;
+        const double t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+static void heap_push(double* h, int n, double x) {
+    int i = n;
+    h[i] = x;
+    while (i > 0 && h[(i - 1) / 2] > h[i]) {
+        const double t = h[i];
+        h[i] = h[(i - 1) / 2];
+        h[(i - 1) / 2] = t;
+        i = (i - 1) / 2;
+    }
+}
+
+static void heap_replace_root(double* h, int n, double x) {
+    h[0] = x;
+    heap_sift_down(h, n, 0);
+}
+
 /* A greedy step's head from fewer bytes (kernels/head_screen.py says why and how the bounds are made): a->logits
    holds each row's logits from the screen (s); column i's exact logit is within b_i = |row|_2 c_i of s_i, so the
    row's exact maximum is at least T = max_i (s_i - b_i), and only a column with s_i + b_i >= T can reach it.
@@ -274,27 +306,44 @@ static void product(const step_proj* p, const float* x, int64_t xs, float* y, in
    few panels of 16 columns a row, against reading the whole head.
    With screen_add (a sampled row: n_i = -t log q_i, worker/sampler.py) the same for the argmax of z_i + n_i,
    the sampler's fl(fl(z_i / t) - log q_i) times t: each bound widens by e_i = 2^-20 (|s_i| + b_i + |n_i|),
-   far above that float32 arithmetic's rounding (2^-23 of the same sum, a few ulps more for n_i's own). */
+   far above that float32 arithmetic's rounding (2^-23 of the same sum, a few ulps more for n_i's own).
+   With screen_k[r] = k > 0 (the sampler's top-k cut) T is the k-th largest lower bound instead: at least k
+   exact logits reach it, so every one of the k largest is a candidate, recomputed; every other column keeps
+   an s_i more than e_i below the k-th largest exact logit, so the cut (fl(z / t) below the k-th largest) drops
+   it, and the race after the cut reads exact values only. */
 static void screen_head(const step_args* a, const float* h) {
     const int V = a->V, H = a->H, np = (V + 15) / 16;
     unsigned char* mark = (unsigned char*)calloc((size_t)np, 1);
     for (int r = 0; r < a->R; r++) {
         const float *x = h + (int64_t)r * H, *s = a->logits + (int64_t)r * V;
-        const float* add = a->screen_add ? a->screen_add + (int64_t)r * V : NULL;
+        const int top_k = a->screen_k ? a->screen_k[r] : 0;
+        const float* add = a->screen_add && top_k <= 0 ? a->screen_add + (int64_t)r * V : NULL;
+        const int widen = a->screen_add != NULL || top_k > 0;
         double n2 = 0.0;
         for (int k = 0; k < H; k++) n2 += (double)x[k] * x[k];
         const double hn = sqrt(n2) * (1.0 + 1e-9); /* the double sum's own rounding, and then some */
         double T = -INFINITY;
-        if (mark && isfinite(hn))
+        double* heap = top_k > 0 && top_k < V ? (double*)malloc(sizeof(double) * (size_t)top_k) : NULL;
+        int held = 0; /* a min-heap of the top_k largest lower bounds: T is its root */
+        if (mark && isfinite(hn) && (top_k <= 0 || heap))
             for (int i = 0; i < V; i++) {
                 const double b = hn * a->screen_c[i], n = add ? add[i] : 0.0;
-                const double e = add ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
+                const double e = widen ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
                 const double lo = (double)s[i] - b + n - e;
-                if (lo > T) T = lo;
+                if (!heap) {
+                    if (lo > T) T = lo;
+                } else if (held < top_k) {
+                    heap_push(heap, held++, lo);
+                    if (held == top_k) T = heap[0];
+                } else if (lo > heap[0]) {
+                    heap_replace_root(heap, held, lo);
+                    T = heap[0];
+                }
             }
+        free(heap);
         for (int i = 0; mark && i < V; i++) { /* NaN compares false: a candidate */
             const double b = hn * a->screen_c[i], n = add ? add[i] : 0.0;
-            const double e = add ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
+            const double e = widen ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
             if (!((double)s[i] + b + n + e < T)) mark[i / 16] = 1;
         }
     }

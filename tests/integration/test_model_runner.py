@@ -391,8 +391,8 @@ def test_sampler_greedy_topk_topp_and_distribution():
 
 def test_the_race_drawn_before_the_step_gives_the_samplers_tokens():
     """``Sampler.race`` draws the noise ``sample`` would (seeded rows: the same tokens), and each row's token is
-    the argmax of logits + its offsets (what a screened head reads, kernels/head_screen.py); rows with a top-k
-    or top-p cut, or a tiny temperature, get no race."""
+    the argmax of logits + its offsets (what a screened head reads, kernels/head_screen.py), a top-k row's
+    screen asks for its k largest; rows with a top-p cut, a top-k above 1024 or a tiny temperature get no race."""
     s = Sampler("cpu", seed=0)
     gen = torch.Generator().manual_seed(2)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3),
@@ -400,10 +400,13 @@ def test_the_race_drawn_before_the_step_gives_the_samplers_tokens():
     for i in range(200):
         logits = torch.randn(3, 50, generator=gen) * 3
         race = s.race(params, [i, i, i + 1], 50)
-        assert race is not None and race.log_q.shape == (2, 50) and not race.offsets[0].any()
+        assert race is not None and race.log_q.shape == (2, 50) and not race.screen.offsets[0].any()
+        assert race.screen.top_k is None
         tokens = s.sample(logits, params, [i, i, i + 1], race)
         assert tokens == s.sample(logits, params, [i, i, i + 1])
-        assert tokens == (logits + race.offsets).argmax(dim=1).tolist()
-    for cut in (SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(temperature=0.01)):
-        assert s.race([params[1], cut], [0, 0], 50) is None
+        assert tokens == (logits + race.screen.offsets).argmax(dim=1).tolist()
+    topk = s.race([params[1], SamplingParams(top_k=5)], [0, 0], 50)  # a top-k row: its k (its offsets unread)
+    assert topk is not None and topk.screen.top_k.tolist() == [0, 5]
+    for cut in (SamplingParams(top_k=2000), SamplingParams(top_p=0.9), SamplingParams(temperature=0.01)):
+        assert s.race([params[1], cut], [0, 0], 3000) is None
     assert s.race([params[0]], [0], 50) is None  # greedy alone: nothing to draw

@@ -205,10 +205,9 @@ def _unscreened(step) -> bool:
     return False
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=9, temperature=0.8, top_k=5, seed=1, ignore_eos=True),
-                                    SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
                                     SamplingParams(max_tokens=9, temperature=0.01, seed=1, ignore_eos=True)])
-def test_steps_sampled_with_a_cut_or_a_tiny_temperature_read_the_head_itself(tied_dir, params):
+def test_steps_sampled_with_top_p_or_a_tiny_temperature_read_the_head_itself(tied_dir, params):
     runner = packed_runner(tied_dir)
     _engine_tokens(runner, False, params, prompts(2, seed=1))
     assert runner.model._decode_step.screened_calls == 0
@@ -216,12 +215,14 @@ def test_steps_sampled_with_a_cut_or_a_tiny_temperature_read_the_head_itself(tie
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ahead", [False, True])
-def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype, ahead, monkeypatch):
+@pytest.mark.parametrize("top_k", [0, 6])
+def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype, ahead, top_k, monkeypatch):
     """Rows sampled by temperature alone draw their race noise before the step and screen the head for the
-    argmax of logits + offsets: with seeds, the very tokens of the unscreened head (one-token steps, and
-    decode-ahead windows stepping in Python); fewer panels read than the head has."""
+    argmax of logits + offsets, a top-k row for its k largest logits: with seeds, the very tokens of the
+    unscreened head (one-token steps, and decode-ahead windows stepping in Python); fewer panels read than
+    the head has."""
     runner = _runner(tied_dir, dtype)
-    params = SamplingParams(max_tokens=33, temperature=1.0, seed=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=33, temperature=1.0, top_k=top_k, seed=4, ignore_eos=True)
     on, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=7))
     step = runner.model._decode_step
     calls, panels = step.screened_calls, step.screened_panels
@@ -242,7 +243,7 @@ def _race_winners(step, x: torch.Tensor, temperature: float, draws: int, seed: i
     for _ in range(draws):
         log_q = torch.empty(full.shape).exponential_(generator=gen).clamp_min_(1e-30).log()
         offsets = (log_q * -temperature).contiguous()
-        screened = _logits(step, x, screened=offsets)
+        screened = _logits(step, x, screened=head_screen.ScreenRows(offsets))
         want = int((full / temperature - log_q).argmax())
         got = int((screened / temperature - log_q).argmax())
         out.append((want, got, float(full[0, got]), float(screened[0, got])))
@@ -297,3 +298,41 @@ def test_the_screened_race_samples_the_softmax(tiny_dirs_llama):
     dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
     assert float(torch.special.gammaincc(dof, stat / 2)) > 1e-3  # the chi-square survival function
 
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+@pytest.mark.parametrize("head", ["float32", "bfloat16"])
+def test_a_top_k_row_gets_its_k_largest_logits_exact(tiny_dirs_llama, isa, head):
+    """A top-k row's screened logits hold its k largest exact logits (every other column below the k-th), so
+    the sampler's cut keeps the same k columns with the same values and its race the same token; panels
+    beyond the candidates' are not read (the float32 head's)."""
+    from worker.sampler import Sampler
+
+    hidden = 64
+    if head == "float32":  # as in the race test: 48 near-equal columns over three panels
+        gen = torch.Generator().manual_seed(9)
+        x = torch.randn(1, hidden, generator=gen)
+        w = torch.randn(64, hidden, generator=gen) * 0.01
+        w[:48] += (x[0] / x[0].norm() * 4) * (1 + 0.02 * torch.rand(48, 1, generator=gen))
+    else:
+        w, x = _int8_reordered_head(hidden)
+    step, _ = _head_only_step(tiny_dirs_llama, w)
+    if isa == "avx2":
+        step.lib = decode_step.build({"INFERQ_NO_AVX512": 1})
+    full = _logits(step, x, screened=False)
+    sampler = Sampler("cpu", seed=0)
+    for k in (1, 3, 7, 20):
+        params = [SamplingParams(temperature=0.9, top_k=k, seed=k)]
+        before = step.screened_panels
+        for i in range(20):
+            race = sampler.race(params, [i], 64)
+            assert race is not None and race.screen.top_k.tolist() == [k]
+            screened = _logits(step, x, screened=race.screen)
+            top = full[0].topk(k)
+            assert torch.equal(screened[0, top.indices], top.values)  # the k largest, exact
+            others = torch.ones(64, dtype=torch.bool)
+            others[top.indices] = False
+            assert (screened[0, others] < top.values[-1]).all()
+            assert sampler.sample(screened, params, [i], race) == sampler.sample(full, params, [i])
+        if head == "float32" and k < 20:  # (the int8 screen's bounds here are as wide as the columns' spread)
+            assert step.screened_panels - before < 20 * 4
