@@ -2,7 +2,8 @@
 
 Sampling uses the exponential race: with q_v ~ Exp(1) i.i.d., ``argmax_v p_v / q_v`` is distributed as
 ``p``. In log space that is ``argmax_v (logits_v / T - log q_v)`` over the allowed tokens, so no softmax
-is needed. For a seeded request the noise vector for output index i is drawn from a generator seeded by
+is needed; a row with no top-k or top-p cut takes it as ``argmax_v (logits_v - T log q_v)`` (the same race
+times T > 0: one add over the row, and what a screened head bounds). For a seeded request the noise vector for output index i is drawn from a generator seeded by
 a hash of (seed, i), so the token depends only on the logits, the seed and i — not on which other requests
 share the batch, nor on preemption and recomputation. Unseeded requests draw from one global generator.
 
@@ -94,21 +95,20 @@ class Sampler:
             return []
         if all(p.greedy for p in params):
             return _argmax(logits).tolist()
+        if race is not None and race.screen.top_k is None:  # no row has a cut: the race is one add
+            return _argmax(logits.float() + race.screen.offsets).tolist()
         vocab = logits.shape[1]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         out = _argmax(logits)  # greedy rows keep this
         sel = torch.tensor(rows, device=logits.device, dtype=torch.long) if len(rows) < n else None
         x = logits if sel is None else logits.index_select(0, sel)
-        x = x.float()
         ps = [params[i] for i in rows]
         temps = torch.tensor([p.temperature for p in ps], device=x.device, dtype=torch.float32)
-        x = x / temps[:, None]
-        x = self._apply_top_k_top_p(x, ps)
         if race is None:
             log_q = self._noise(len(rows), vocab, ps, [output_indices[i] for i in rows], x.device).log()
         else:
             log_q = race.log_q
-        picked = _argmax(x - log_q)
+        picked = _argmax(self._race_keys(x.float(), log_q, temps, ps))
         if sel is None:
             out = picked
         else:
@@ -128,10 +128,26 @@ class Sampler:
         ps = [params[i] for i in rows]
         log_q = self._noise(len(rows), vocab, ps, [output_indices[i] for i in rows], self.device).log()
         temps = torch.tensor([p.temperature for p in ps], device=self.device, dtype=torch.float32)
-        offsets = torch.zeros((len(params), vocab), dtype=torch.float32, device=self.device)
-        offsets[rows] = log_q * -temps[:, None]
+        offsets = log_q * -temps[:, None]  # the race keys' own products (_race_keys)
+        if len(rows) < len(params):  # greedy rows: zero (their argmax)
+            offsets = torch.zeros((len(params), vocab), dtype=torch.float32, device=self.device).index_copy_(
+                0, torch.tensor(rows, device=self.device), offsets)
         top_k = torch.tensor(ks, dtype=torch.int32) if any(ks[i] for i in rows) else None
         return RaceDraw(log_q, ScreenRows(offsets, top_k))
+
+    def _race_keys(self, x: torch.Tensor, log_q: torch.Tensor, temps: torch.Tensor,
+                   ps: Sequence[SamplingParams]) -> torch.Tensor:
+        """Each sampled row's race keys, its token their argmax: ``x - T log q`` for a row with no cut (the
+        offsets :meth:`race` hands a screened head, the same float32 products), ``x / T - log q`` over the kept
+        tokens for a row with a top-k or top-p cut."""
+        vocab = x.shape[1]
+        keys = x + log_q * -temps[:, None]
+        cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if cut:
+            sel = torch.tensor(cut, device=x.device, dtype=torch.long)
+            xc = self._apply_top_k_top_p(x[sel] / temps[sel, None], [ps[j] for j in cut])
+            keys[sel] = xc - log_q[sel]
+        return keys
 
     @staticmethod
     def _apply_top_k_top_p(x: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:

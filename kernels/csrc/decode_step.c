@@ -305,8 +305,8 @@ static void heap_replace_root(double* h, int n, double x) {
    A row whose norm is not finite has every panel recomputed. One thread, after the team's screened product: a
    few panels of 16 columns a row, against reading the whole head.
    With screen_add (a sampled row: n_i = -t log q_i, worker/sampler.py) the same for the argmax of z_i + n_i,
-   the sampler's fl(fl(z_i / t) - log q_i) times t: each bound widens by e_i = 2^-20 (|s_i| + b_i + |n_i|),
-   far above that float32 arithmetic's rounding (2^-23 of the same sum, a few ulps more for n_i's own).
+   the sampler's race keys fl(z_i + n_i): each bound widens by e_i = 2^-20 (|s_i| + b_i + |n_i|), far above
+   that sum's float32 rounding (2^-24 of |z_i| + |n_i|).
    With screen_k[r] = k > 0 (the sampler's top-k cut) T is the k-th largest lower bound instead: at least k
    exact logits reach it, so every one of the k largest is a candidate, recomputed; every other column keeps
    an s_i more than e_i below the k-th largest exact logit, so the cut (fl(z / t) below the k-th largest) drops

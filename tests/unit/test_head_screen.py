@@ -234,9 +234,9 @@ def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir
 
 
 def _race_winners(step, x: torch.Tensor, temperature: float, draws: int, seed: int):
-    """For ``draws`` Exp(1) noise rows q: the exponential race's winner (argmax fl(z / t) - log q, the sampler's
-    arithmetic) from the full head's logits z and from the screened step given offsets -t log q; with the
-    exact logits and the screened values at each screened winner."""
+    """For ``draws`` Exp(1) noise rows q: the exponential race's winner (argmax fl(z + n), n = -t log q, the
+    sampler's arithmetic for a row with no cut) from the full head's logits z and from the screened step given
+    the offsets n; with the exact logits and the screened values at each screened winner."""
     gen = torch.Generator().manual_seed(seed)
     full = _logits(step, x, screened=False)
     out = []
@@ -244,8 +244,8 @@ def _race_winners(step, x: torch.Tensor, temperature: float, draws: int, seed: i
         log_q = torch.empty(full.shape).exponential_(generator=gen).clamp_min_(1e-30).log()
         offsets = (log_q * -temperature).contiguous()
         screened = _logits(step, x, screened=head_screen.ScreenRows(offsets))
-        want = int((full / temperature - log_q).argmax())
-        got = int((screened / temperature - log_q).argmax())
+        want = int((full + offsets).argmax())
+        got = int((screened + offsets).argmax())
         out.append((want, got, float(full[0, got]), float(screened[0, got])))
     return out
 
