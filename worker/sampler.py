@@ -3,9 +3,10 @@
 Sampling uses the exponential race: with q_v ~ Exp(1) i.i.d., ``argmax_v p_v / q_v`` is distributed as
 ``p``. In log space that is ``argmax_v (logits_v / T - log q_v)`` over the allowed tokens, so no softmax
 is needed; a row with no top-k or top-p cut takes it as ``argmax_v (logits_v - T log q_v)`` (the same race
-times T > 0: one add over the row, and what a screened head bounds). For a seeded request the noise vector for output index i is drawn from a generator seeded by
-a hash of (seed, i), so the token depends only on the logits, the seed and i — not on which other requests
-share the batch, nor on preemption and recomputation. Unseeded requests draw from one global generator.
+times T > 0: one add over the row, and what a screened head bounds). For a seeded request the noise vector
+for output index i is drawn from a generator seeded by a hash of (seed, i), so the token depends only on the
+logits, the seed and i — not on which other requests share the batch, nor on preemption and recomputation.
+Unseeded requests draw from one global generator.
 
 Where no sampling row has a top-p cut, the noise can be drawn before the step (:meth:`Sampler.race`): the step
 then reads only each row's argmax of ``logits + offsets`` (offsets ``-T log q``; zero for a greedy row), or
@@ -26,9 +27,10 @@ from kernels.head_screen import ScreenRows
 from scheduler.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-# Below this temperature a row is not screened: logits / T could overflow to equal infinities, whose first
-# index the screen (which bounds the logits, not their quotients) does not keep.
-MIN_RACE_TEMPERATURE = 0.05
+# Below this temperature a top-k row is not screened: its cut compares logits / T, which could overflow to
+# equal infinities the screen (bounding the logits, not their quotients) cannot order. (A row with no cut never
+# divides: its race keys are logits - T log q.)
+MIN_CUT_TEMPERATURE = 0.05
 # A top-k cut above this is not screened: the step keeps a heap of k bounds per row (and a large k reads most
 # of the head anyway).
 MAX_SCREENED_TOP_K = 1024
@@ -116,14 +118,14 @@ class Sampler:
         return out.tolist()
 
     def race(self, params: Sequence[SamplingParams], output_indices: Sequence[int], vocab: int) -> RaceDraw | None:
-        """The noise of these sampling rows, drawn now (before the step) where some row samples and every such
-        row has a temperature of at least :data:`MIN_RACE_TEMPERATURE`, no top-p cut (which needs every logit)
-        and a top-k cut of at most :data:`MAX_SCREENED_TOP_K`, if any; else None. The same draws as
-        :meth:`sample` would make, in the same order."""
+        """The noise of these sampling rows, drawn now (before the step) where some row samples and no such
+        row has a top-p cut (which needs every logit), nor a top-k cut above :data:`MAX_SCREENED_TOP_K` or
+        below :data:`MIN_CUT_TEMPERATURE`; else None. The same draws as :meth:`sample` would make, in the same
+        order."""
         rows = [i for i, p in enumerate(params) if not p.greedy]
         ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-        if not rows or any(params[i].temperature < MIN_RACE_TEMPERATURE or ks[i] > MAX_SCREENED_TOP_K
-                           or params[i].top_p < 1.0 for i in rows):
+        if not rows or any(params[i].top_p < 1.0 or ks[i] > MAX_SCREENED_TOP_K
+                           or ks[i] and params[i].temperature < MIN_CUT_TEMPERATURE for i in rows):
             return None
         ps = [params[i] for i in rows]
         log_q = self._noise(len(rows), vocab, ps, [output_indices[i] for i in rows], self.device).log()

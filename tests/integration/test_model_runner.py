@@ -392,7 +392,8 @@ def test_sampler_greedy_topk_topp_and_distribution():
 def test_the_race_drawn_before_the_step_gives_the_samplers_tokens():
     """``Sampler.race`` draws the noise ``sample`` would (seeded rows: the same tokens), and each row's token is
     the argmax of logits + its offsets (what a screened head reads, kernels/head_screen.py), a top-k row's
-    screen asks for its k largest; rows with a top-p cut, a top-k above 1024 or a tiny temperature get no race."""
+    screen asks for its k largest; rows with a top-p cut, a top-k above 1024 or a top-k at a tiny temperature
+    get no race."""
     s = Sampler("cpu", seed=0)
     gen = torch.Generator().manual_seed(2)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3),
@@ -407,6 +408,7 @@ def test_the_race_drawn_before_the_step_gives_the_samplers_tokens():
         assert tokens == (logits + race.screen.offsets).argmax(dim=1).tolist()
     topk = s.race([params[1], SamplingParams(top_k=5)], [0, 0], 50)  # a top-k row: its k (its offsets unread)
     assert topk is not None and topk.screen.top_k.tolist() == [0, 5]
-    for cut in (SamplingParams(top_k=2000), SamplingParams(top_p=0.9), SamplingParams(temperature=0.01)):
+    for cut in (SamplingParams(top_k=2000), SamplingParams(top_p=0.9), SamplingParams(temperature=0.01, top_k=5)):
         assert s.race([params[1], cut], [0, 0], 3000) is None
+    assert s.race([SamplingParams(temperature=0.01)], [0], 50) is not None  # no cut: never divides by T
     assert s.race([params[0]], [0], 50) is None  # greedy alone: nothing to draw

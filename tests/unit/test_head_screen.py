@@ -206,8 +206,8 @@ def _unscreened(step) -> bool:
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
-                                    SamplingParams(max_tokens=9, temperature=0.01, seed=1, ignore_eos=True)])
-def test_steps_sampled_with_top_p_or_a_tiny_temperature_read_the_head_itself(tied_dir, params):
+                                    SamplingParams(max_tokens=9, temperature=0.01, top_k=5, seed=1, ignore_eos=True)])
+def test_steps_sampled_with_top_p_or_top_k_at_a_tiny_temperature_read_the_head_itself(tied_dir, params):
     runner = packed_runner(tied_dir)
     _engine_tokens(runner, False, params, prompts(2, seed=1))
     assert runner.model._decode_step.screened_calls == 0
@@ -215,14 +215,15 @@ def test_steps_sampled_with_top_p_or_a_tiny_temperature_read_the_head_itself(tie
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ahead", [False, True])
-@pytest.mark.parametrize("top_k", [0, 6])
-def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype, ahead, top_k, monkeypatch):
+@pytest.mark.parametrize(("top_k", "temperature"), [(0, 1.0), (6, 1.0), (0, 0.01)])
+def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype, ahead, top_k, temperature,
+                                                                        monkeypatch):
     """Rows sampled by temperature alone draw their race noise before the step and screen the head for the
     argmax of logits + offsets, a top-k row for its k largest logits: with seeds, the very tokens of the
     unscreened head (one-token steps, and decode-ahead windows stepping in Python); fewer panels read than
     the head has."""
     runner = _runner(tied_dir, dtype)
-    params = SamplingParams(max_tokens=33, temperature=1.0, top_k=top_k, seed=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=33, temperature=temperature, top_k=top_k, seed=4, ignore_eos=True)
     on, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=7))
     step = runner.model._decode_step
     calls, panels = step.screened_calls, step.screened_panels
@@ -230,7 +231,7 @@ def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir
     monkeypatch.setattr(decode_step.DecodeStep, "_set_screened", lambda self, on: _unscreened(self))
     off, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=7))
     assert on == off and step.screened_calls == calls
-    assert len({t for row in on for t in row}) > 10  # sampled, not a greedy walk
+    assert temperature < 0.1 or len({t for row in on for t in row}) > 10  # sampled, not a greedy walk
 
 
 def _race_winners(step, x: torch.Tensor, temperature: float, draws: int, seed: int):
