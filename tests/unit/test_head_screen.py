@@ -251,23 +251,31 @@ def _race_winners(step, x: torch.Tensor, temperature: float, draws: int, seed: i
     return out
 
 
-@pytest.mark.parametrize("isa", ["default", "avx2"])
-@pytest.mark.parametrize("head", ["float32", "bfloat16"])
-def test_the_screened_race_winner_is_the_full_heads(tiny_dirs_llama, isa, head):
-    """Heads whose screened copy reorders near-equal columns, spread over several panels, so the noise decides
-    the winner: for every draw and two temperatures the screened step's race winner is the full head's, its
-    logit exact (its panel recomputed); winners land in more than one panel; not every panel is read."""
+def _near_equal_step(path, head: str, isa: str):
+    """A head-only step (and its row x) whose best columns are near-equal, over several panels: float32, 48
+    columns along the row, logits about 32 spread by 0.6 against bounds of about 0.06; bfloat16, the int8
+    screen's reordered near-copies. ``isa`` "avx2": that build's tiles."""
     hidden = 64
-    if head == "float32":  # 48 columns along the row, their logits (about 32) spread by 0.6, bounds about 0.06
+    if head == "float32":
         gen = torch.Generator().manual_seed(9)
         x = torch.randn(1, hidden, generator=gen)
         w = torch.randn(64, hidden, generator=gen) * 0.01
         w[:48] += (x[0] / x[0].norm() * 4) * (1 + 0.02 * torch.rand(48, 1, generator=gen))
     else:
         w, x = _int8_reordered_head(hidden)
-    step, _ = _head_only_step(tiny_dirs_llama, w)
+    step, _ = _head_only_step(path, w)
     if isa == "avx2":
         step.lib = decode_step.build({"INFERQ_NO_AVX512": 1})
+    return step, x
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+@pytest.mark.parametrize("head", ["float32", "bfloat16"])
+def test_the_screened_race_winner_is_the_full_heads(tiny_dirs_llama, isa, head):
+    """Heads whose screened copy reorders near-equal columns, spread over several panels, so the noise decides
+    the winner: for every draw and two temperatures the screened step's race winner is the full head's, its
+    logit exact (its panel recomputed); winners land in more than one panel; not every panel is read."""
+    step, x = _near_equal_step(tiny_dirs_llama, head, isa)
     before, winners = step.screened_panels, set()
     for t in (0.3, 1.0):
         for want, got, exact, value in _race_winners(step, x, t, 60, seed=int(t * 10)):
@@ -309,17 +317,7 @@ def test_a_top_k_row_gets_its_k_largest_logits_exact(tiny_dirs_llama, isa, head)
     beyond the candidates' are not read (the float32 head's)."""
     from worker.sampler import Sampler
 
-    hidden = 64
-    if head == "float32":  # as in the race test: 48 near-equal columns over three panels
-        gen = torch.Generator().manual_seed(9)
-        x = torch.randn(1, hidden, generator=gen)
-        w = torch.randn(64, hidden, generator=gen) * 0.01
-        w[:48] += (x[0] / x[0].norm() * 4) * (1 + 0.02 * torch.rand(48, 1, generator=gen))
-    else:
-        w, x = _int8_reordered_head(hidden)
-    step, _ = _head_only_step(tiny_dirs_llama, w)
-    if isa == "avx2":
-        step.lib = decode_step.build({"INFERQ_NO_AVX512": 1})
+    step, x = _near_equal_step(tiny_dirs_llama, head, isa)
     full = _logits(step, x, screened=False)
     sampler = Sampler("cpu", seed=0)
     for k in (1, 3, 7, 20):
