@@ -63,6 +63,7 @@ def _head_only_step(path, weight: torch.Tensor):
     kind = decode_step.W_I8 if half else decode_step.W_BF16
     step.screen = (decode_step._Proj(screen.weight.data_ptr(), None, decode_step._ptr(screen.scales), kind, 0),
                    screen)
+    step._keep.append(pk)  # the C side reads the head's panels: alive as long as the step
     return step, (pk, screen)
 
 
