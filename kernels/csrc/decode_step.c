@@ -311,6 +311,12 @@ static void heap_replace_root(double* h, int n, double x) {
    exact logits reach it, so every one of the k largest is a candidate, recomputed; every other column keeps
    an s_i more than e_i below the k-th largest exact logit, so the cut (fl(z / t) below the k-th largest) drops
    it, and the race after the cut reads exact values only. */
+/* How far column i's key (s_i + n_i) may be from the exact one: its bound b_i, widened by e_i where the
+   sampler's race or cut reads it (screen_head says why). */
+static inline double reach(float s, double b, double n, int widen) {
+    return b + (widen ? 0x1p-20 * (fabs((double)s) + b + fabs(n)) : 0.0);
+}
+
 static void screen_head(const step_args* a, const float* h) {
     const int V = a->V, H = a->H, np = (V + 15) / 16;
     unsigned char* mark = (unsigned char*)calloc((size_t)np, 1);
@@ -327,9 +333,8 @@ static void screen_head(const step_args* a, const float* h) {
         int held = 0; /* a min-heap of the top_k largest lower bounds: T is its root */
         if (mark && isfinite(hn) && (top_k <= 0 || heap))
             for (int i = 0; i < V; i++) {
-                const double b = hn * a->screen_c[i], n = add ? add[i] : 0.0;
-                const double e = widen ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
-                const double lo = (double)s[i] - b + n - e;
+                const double n = add ? add[i] : 0.0;
+                const double lo = (double)s[i] + n - reach(s[i], hn * a->screen_c[i], n, widen);
                 if (!heap) {
                     if (lo > T) T = lo;
                 } else if (held < top_k) {
@@ -342,9 +347,8 @@ static void screen_head(const step_args* a, const float* h) {
             }
         free(heap);
         for (int i = 0; mark && i < V; i++) { /* NaN compares false: a candidate */
-            const double b = hn * a->screen_c[i], n = add ? add[i] : 0.0;
-            const double e = widen ? 0x1p-20 * (fabs((double)s[i]) + b + fabs(n)) : 0.0;
-            if (!((double)s[i] + b + n + e < T)) mark[i / 16] = 1;
+            const double n = add ? add[i] : 0.0;
+            if (!((double)s[i] + n + reach(s[i], hn * a->screen_c[i], n, widen) < T)) mark[i / 16] = 1;
         }
     }
     for (int p = 0; p < np; p++)
