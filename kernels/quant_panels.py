@@ -52,6 +52,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qgemm_widen_rows.restype = i
     lib.qgemm_a8_isa.argtypes = []
     lib.qgemm_a8_isa.restype = i
+    lib.qgemm_set_int4_pieces.argtypes = [i]
+    lib.qgemm_set_int4_pieces.restype = None
+    lib.qgemm_int4_pieces.argtypes = []
+    lib.qgemm_int4_pieces.restype = i
     return lib
 
 
@@ -63,6 +67,13 @@ def act8_isa(lib: ctypes.CDLL | None = None) -> str | None:
     where the kernel does not run."""
     lib = lib or _load()
     return A8_ISA[lib.qgemm_a8_isa()] if lib is not None else None
+
+
+def int4_pieces(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether int4 panels times float activations run as the integer tile over three int8 pieces of each
+    activation block at decode row counts (AVX512-VNNI + VBMI builds; csrc/quant_gemm.c says why)."""
+    lib = lib or _load()
+    return lib is not None and bool(lib.qgemm_int4_pieces())
 
 
 @functools.cache

@@ -20,7 +20,9 @@
    not synchronise), not per panel.
 
    int4 panels can also be multiplied with int8 activations (FMT_I4A8, block4a8: x quantised in blocks of 32 as
-   llama.cpp's Q8_0, integer dot products), by the same direct tiles at every M.
+   llama.cpp's Q8_0, integer dot products), by the same direct tiles at every M. Builds with that format's
+   AVX512-VNNI tile run int4 times float activations at decode sizes on it too, over three int8 pieces of each
+   activation block (FMT_I4P3, quant_pieces: float32's accuracy at integer speed; use_pieces says why).
 
    Larger M (prefill), int4: a K-block of each panel is widened once into a float32 scratch tile (KBLOCK x 16,
    L1 resident, as q * s + o) and every row tile of the row block reuses it with the float micro-kernel (6 x 16,
@@ -35,7 +37,7 @@
    nowait`, so qgemm_team can be called by every thread of an enclosing parallel region (decode_step.c's
    pattern, no barrier at the end), and qgemm runs it in a parallel region of its own. Needs AVX2 + FMA; AVX-512
    builds run the decode tiles on 512-bit registers (block_i8_512, block4_512, and with AVX512-VNNI + VBMI
-   block4a8_512), with results equal bit for bit. */
+   block4a8_512), with results equal bit for bit (FMT_I4P3 aside: the AVX2 build keeps the float tile there). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +53,7 @@
 #define FMT_I4 1
 #define FMT_I4A8 2 /* int4 panels times int8 activations (block4a8) */
 #define FMT_HALF 4 /* or'd into an int4 format: the panel's scales and offsets are float16 (load_sz) */
+#define FMT_I4P3 3 /* internal: int4 with float activations as three int8 pieces (block4a8_512, quant_pieces) */
 #define QB 32      /* inputs per int8 activation block */
 #define KIND_F32 0 /* the widened scratch tile */
 #define KIND_I8 1
@@ -58,7 +61,7 @@
 #define KBLOCK 256
 #define X_BLOCK_BYTES (192 * 1024) /* x rows per row block of the widened path: L2 resident (packed_gemm.c) */
 #define XSUM_STACK 4096            /* floats of group sums held on the stack; more: malloc */
-#define A8_STACK 16384             /* bytes of quantised activations held on the stack; more: malloc */
+#define A8_STACK 65536             /* bytes of quantised activations held on the stack; more: malloc */
 #ifdef INFERQ_NO_SPLIT_K
 #define SPLIT_K(MR) 1
 #else
@@ -414,7 +417,7 @@ ALWAYS_INLINE void block4_512(const int MR, const int H, const float* x, int64_t
    2 vpdpbusd (block4a8: 10 ops per 4 inputs, then 6 per row). Integer sums are exact, so splitting a fold over
    NS accumulator sets (latency) changes nothing: each fold's column sum is block4a8's, converted and FMA'd in
    the same order, and both builds give equal results bit for bit. */
-ALWAYS_INLINE void block4a8_512(const int MR, const int H, const int8_t* xq, int64_t xqs, const float* xd,
+ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const int8_t* xq, int64_t xqs, const float* xd,
                                 int64_t xds, const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K,
                                 float* y, int64_t ys, const float* b, int nc, int accumulate,
                                 const uint8_t* prefetch) {
@@ -438,31 +441,43 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int H, const int8_t* xq, int
     for (int k0 = 0; k0 < K; k0 += F) {
         const int g = k0 / G;
         if (prefetch && k0 % G == 0) prefetch_group(H, sz, ng, g);
-        __m512i a[4][4];
-        _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++)
-            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) a[s][r] = _mm512_setzero_si512();
+        __m512i a[3][2][4]; /* piece, set, row */
+        _Pragma("GCC unroll 3") for (int c = 0; c < PC; c++)
+            _Pragma("GCC unroll 2") for (int s = 0; s < NS; s++)
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) a[c][s][r] = _mm512_setzero_si512();
         for (int k = k0, step = 0; k < k0 + F; k += 8, step++) {
             const int j = k / 2, sa = (2 * step) % NS, sb = (2 * step + 1) % NS;
             if (prefetch) _mm_prefetch((const char*)(prefetch + (int64_t)j * PANEL), _MM_HINT_T0);
             const __m512i v = _mm512_loadu_si512((const void*)(w + (int64_t)j * PANEL));
             const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
             const __m512i A = _mm512_permutex2var_epi8(lo, oa, hi), B = _mm512_permutex2var_epi8(lo, ob, hi);
-            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
-                int32_t qa, qb;
-                memcpy(&qa, xq + r * xqs + k, 4);
-                memcpy(&qb, xq + r * xqs + k + 4, 4);
-                a[sa][r] = _mm512_dpbusd_epi32(a[sa][r], A, _mm512_set1_epi32(qa));
-                a[sb][r] = _mm512_dpbusd_epi32(a[sb][r], B, _mm512_set1_epi32(qb));
-            }
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)
+                _Pragma("GCC unroll 3") for (int c = 0; c < PC; c++) {
+                    int32_t qa, qb;
+                    memcpy(&qa, xq + r * xqs + c * K + k, 4);
+                    memcpy(&qb, xq + r * xqs + c * K + k + 4, 4);
+                    a[c][sa][r] = _mm512_dpbusd_epi32(a[c][sa][r], A, _mm512_set1_epi32(qa));
+                    a[c][sb][r] = _mm512_dpbusd_epi32(a[c][sb][r], B, _mm512_set1_epi32(qb));
+                }
         }
-        _Pragma("GCC unroll 4") for (int s = 1; s < NS; s++)
-            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) a[0][r] = _mm512_add_epi32(a[0][r], a[s][r]);
+        _Pragma("GCC unroll 3") for (int c = 0; c < PC; c++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
+                if (NS == 2) a[c][0][r] = _mm512_add_epi32(a[c][0][r], a[c][1][r]);
+                /* pieces: the codes times q2 / 128 + q3 / 16384 in units of 1 / 16384 (quant_pieces), below 2^24 so
+                   its conversion is exact, as is q1's sum's (times 16384, a power of two, in the scale) */
+                if (c == 2) a[1][0][r] = _mm512_add_epi32(_mm512_slli_epi32(a[1][0][r], 7), a[2][0][r]);
+            }
         const int64_t gs = (int64_t)g * 2 * PANEL;
         const __m512 sc = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs)))
                             : _mm512_loadu_ps((const float*)sz + gs);
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
-            const __m512 d = _mm512_set1_ps(xd[r * xds + k0 / QB]);
-            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(sc, d), _mm512_cvtepi32_ps(a[0][r]), t[r]);
+            const __m512 sd = _mm512_mul_ps(sc, _mm512_set1_ps(xd[r * xds + k0 / QB]));
+            if (PC == 1) {
+                t[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(a[0][0][r]), t[r]);
+            } else {
+                t[r] = _mm512_fmadd_ps(_mm512_mul_ps(sd, _mm512_set1_ps(16384.f)), _mm512_cvtepi32_ps(a[0][0][r]), t[r]);
+                t[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(a[1][0][r]), t[r]);
+            }
         }
         if ((k0 + F) % G == 0) {
             const __m512 of = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs + 16)))
@@ -474,7 +489,8 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int H, const int8_t* xq, int
     halves(MR, t, h2);
     store_tile(MR, h2, 0, y, ys, b, nc, accumulate);
 }
-#define BLOCK_I4A8 block4a8_512
+#define BLOCK_I4A8(MR, H, ...) block4a8_512(MR, 1, H, __VA_ARGS__)
+#define BLOCK_I4P3(MR, H, ...) block4a8_512(MR, 3, H, __VA_ARGS__)
 #endif
 #else
 #define BLOCK_I8(MR, ...) block(MR, KIND_I8, __VA_ARGS__)
@@ -488,6 +504,25 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int H, const int8_t* xq, int
 /* Which tile multiplies int4 panels by int8 activations in this build: 1 block4a8 (AVX2), 3 block4a8_512
    (AVX512-VNNI + VBMI; INFERQ_NO_VNNI or INFERQ_NO_AVX512 leave it out, for tests and timings). */
 int qgemm_a8_isa(void) { return A8_ISA; }
+
+/* Whether int4 panels times float activations run as the integer tile over three int8 pieces of x (FMT_I4P3):
+   in builds with block4a8_512, at the direct tiles' row counts, where the activation blocks fit the groups (the
+   rule bad_args applies to FMT_I4A8). Why: block4_512 widens each code to a float lane and multiplies it alone
+   (2 shuffles, a shift, a conversion and an FMA per 16 codes), which holds its one-row tile well below the read
+   bandwidth on Zen 4; the pieces cost block4a8_512's 5 ops per 128 codes and 6 vpdpbusd, and keep float32's
+   accuracy (quant_pieces). qgemm_set_int4_pieces(0) turns it off (tests, timings). */
+static int int4_pieces = 1;
+void qgemm_set_int4_pieces(int on) { int4_pieces = on; }
+int qgemm_int4_pieces(void) {
+#ifdef BLOCK_I4P3
+    return int4_pieces;
+#else
+    return 0;
+#endif
+}
+static int use_pieces(int M, int K, int G) {
+    return qgemm_int4_pieces() && M <= widen_rows[FMT_I4] && K % QB == 0 && (G % QB == 0 || QB % G == 0);
+}
 
 /* the row count is a compile-time constant inside each block (always_inline), hence one case per count */
 static void tile_f32(int mr, const float* x, int64_t xs, const float* w, int K, float* y, int64_t ys,
@@ -532,9 +567,19 @@ static void tile_i4(int mr, int half, const float* x, int64_t xs, const uint8_t*
         I4_ROWS(BLOCK_I4, 0, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf)
 }
 
-static void tile_i4a8(int mr, int half, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
+static void tile_i4a8(int fmt, int mr, int half, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
                       const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K, float* y, int64_t ys,
                       const float* b, int nc, int acc, const uint8_t* pf) {
+#ifdef BLOCK_I4P3
+    if (fmt == FMT_I4P3) {
+        if (half)
+            I4_ROWS(BLOCK_I4P3, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        else
+            I4_ROWS(BLOCK_I4P3, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        return;
+    }
+#endif
+    (void)fmt;
     if (half)
         I4_ROWS(BLOCK_I4A8, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
     else
@@ -606,7 +651,7 @@ static void share_direct(int fmt, int half, const float* x, int64_t xs, const vo
                          int accumulate) {
     const int np = (N + PANEL - 1) / PANEL, ng = fmt == FMT_I8 ? 0 : K / G, mb = row_block(M, K);
     const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_elems(fmt, K, G) * (half ? 2 : 4);
-    const int tile_rows = fmt == FMT_I8 ? 6 : 4;
+    const int tile_rows = fmt == FMT_I8 ? 6 : 4, pc = fmt == FMT_I4P3 ? 3 : 1; /* int8 pieces of a row */
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + tile_rows - 1) / tile_rows;
         /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
@@ -622,8 +667,8 @@ static void share_direct(int fmt, int half, const float* x, int64_t xs, const vo
                 if (fmt == FMT_I8)
                     tile_i8(mr, x + m0 * xs, xs, (const int8_t*)w, K, (const float*)sp, y + m0 * ys + n0, ys, b ? b + n0 : 0, nc,
                             accumulate, next);
-                else if (fmt == FMT_I4A8)
-                    tile_i4a8(mr, half, xa->q + (int64_t)m0 * K, K, xa->d + (int64_t)m0 * (K / QB), K / QB,
+                else if (fmt == FMT_I4A8 || fmt == FMT_I4P3)
+                    tile_i4a8(fmt, mr, half, xa->q + (int64_t)m0 * K * pc, K * pc, xa->d + (int64_t)m0 * (K / QB), K / QB,
                               xa->h + (int64_t)m0 * ng, ng, (const uint8_t*)w, sp, G, K, y + m0 * ys + n0, ys,
                               b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
                 else
@@ -701,6 +746,49 @@ static void quant_rows(const float* x, int64_t xs, int M, int K, int G, int8_t* 
     }
 }
 
+/* x's M rows as three int8 pieces per block of 32 (FMT_I4P3): with d = max |x| / 127 and t = x / d, q1 = rint(t),
+   q2 = rint(128 (t - q1)), q3 = rint(128 (128 (t - q1) - q2)). Each difference and scaling is exact in float32,
+   so x' = d (q1 + q2 / 128 + q3 / 16384) is x within d / 32768 (2^-22 of the block's largest |x|: below
+   float32's rounding of the sums the tile forms); |q1| <= 127, |q2|, |q3| <= 64 (block4a8_512 says why that
+   fits). Row r's piece c at q + 3 K r + K c; d holds d / 16384, the unit of the pieces' combined sum; h the group
+   sums of x' (not of x: the offsets' term must see the activations the codes' term sees, or a group whose
+   scales and offsets nearly cancel, as an outlier weight's does, loses that cancellation), per fold as
+   quant_rows sums them. */
+static void quant_pieces(const float* x, int64_t xs, int M, int K, int G, int8_t* q, float* d, float* h) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), up = _mm256_set1_ps(128.f);
+    const int ng = K / G, F = G < QB ? G : QB;
+    for (int r = 0; r < M; r++) {
+        for (int g = 0; g < ng; g++) h[(int64_t)r * ng + g] = 0.f;
+        for (int bk = 0; bk < K / QB; bk++) {
+            const float* xb = x + r * xs + bk * QB;
+            int8_t* qb = q + (int64_t)r * 3 * K + bk * QB;
+            __m256 m = _mm256_setzero_ps();
+            for (int i = 0; i < QB; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + i), absmask));
+            const float dd = _mm256_cvtss_f32(hmax8(m)) / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
+            d[(int64_t)r * (K / QB) + bk] = dd / 16384.f;
+            int32_t u[QB] = {0}; /* x' / (d / 16384), exact: |u| < 2^21 */
+            for (int i = 0; i < QB; i += 8) {
+                __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(id));
+                for (int c = 0; c < 3; c++) {
+                    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    int32_t v[8];
+                    _mm256_storeu_si256((__m256i*)v, _mm256_cvtps_epi32(n));
+                    for (int e = 0; e < 8; e++) {
+                        qb[(int64_t)c * K + i + e] = (int8_t)v[e];
+                        u[i + e] = u[i + e] * 128 + v[e];
+                    }
+                    t = _mm256_mul_ps(_mm256_sub_ps(t, n), up);
+                }
+            }
+            for (int f = 0; f < QB; f += F) {
+                int32_t sum = 0;
+                for (int i = f; i < f + F; i++) sum += u[i];
+                h[(int64_t)r * ng + (bk * QB + f) / G] += dd / 16384.f * (float)sum;
+            }
+        }
+    }
+}
+
 /* Whether the arguments describe a product these kernels run: int8, or int4 with an even group size (every
    int4 group size of kernels/quant.py is one) that divides K, and a K-block a multiple of it; int4 times int8
    activations also K a multiple of 32, and groups a multiple or a divisor of 32 (then each fold is in one
@@ -710,6 +798,32 @@ static int bad_args(int fmt, int K, int G) {
     else if (fmt == FMT_I8) return 0;
     if (fmt == FMT_I4A8 && (K % QB || (G > 0 && G % QB && QB % G))) return 1;
     return (fmt != FMT_I4 && fmt != FMT_I4A8) || G <= 0 || G % 8 || K % G || KBLOCK % G;
+}
+
+/* int4 panels times activations in int8 blocks (FMT_I4A8: one piece; FMT_I4P3: float activations as three
+   pieces), by the integer tiles: a row's result does not
+   depend on its batch. */
+static int act8_product(int fmt, int half, const float* x, int64_t xs, const void* wp, const void* s, int G,
+                        const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
+    const int pc = fmt == FMT_I4P3 ? 3 : 1;
+    const int64_t qbytes = (int64_t)M * K * pc, nf = (int64_t)M * (K / QB + K / G);
+    const int64_t bytes = qbytes + nf * (int64_t)sizeof(float);
+    _Alignas(64) char stack[A8_STACK];
+    char* heap = bytes <= A8_STACK ? 0 : (char*)malloc(bytes);
+    if (bytes > A8_STACK && !heap) return 1;
+    char* buf = heap ? heap : stack;
+    int8_t* q = (int8_t*)(buf + nf * (int64_t)sizeof(float));
+    float* d = (float*)buf;
+    float* h = d + (int64_t)M * (K / QB);
+    if (pc == 1) {
+        quant_rows(x, xs, M, K, G, q, d, h);
+    } else {
+        quant_pieces(x, xs, M, K, G, q, d, h);
+    }
+    const act8 xa = {q, d, h};
+    share_direct(fmt, half, x, xs, wp, s, G, 0, &xa, b, y, ys, M, N, K, accumulate);
+    free(heap);
+    return 0;
 }
 
 /* The product for the thread team of an enclosing parallel region (decode_step.c's pattern): each thread takes
@@ -724,22 +838,8 @@ int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const void* 
     if (M <= 0 || N <= 0 || K <= 0) return 0;
     const int half = fmt & FMT_HALF ? 1 : 0;
     fmt &= ~FMT_HALF;
-    if (fmt == FMT_I4A8) { /* integer tiles at every M: a row's result does not depend on its batch */
-        const int64_t qbytes = (int64_t)M * K, nf = (int64_t)M * (K / QB + K / G);
-        const int64_t bytes = qbytes + nf * (int64_t)sizeof(float);
-        _Alignas(32) char stack[A8_STACK];
-        char* heap = bytes <= A8_STACK ? 0 : (char*)malloc(bytes);
-        if (bytes > A8_STACK && !heap) return 1;
-        char* buf = heap ? heap : stack;
-        int8_t* q = (int8_t*)(buf + nf * (int64_t)sizeof(float));
-        float* d = (float*)buf;
-        float* h = d + (int64_t)M * (K / QB);
-        quant_rows(x, xs, M, K, G, q, d, h);
-        const act8 xa = {q, d, h};
-        share_direct(fmt, half, x, xs, wp, s, G, 0, &xa, b, y, ys, M, N, K, accumulate);
-        free(heap);
-        return 0;
-    }
+    if (fmt == FMT_I4A8 || (fmt == FMT_I4 && use_pieces(M, K, G)))
+        return act8_product(fmt == FMT_I4 ? FMT_I4P3 : fmt, half, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
     if (M > widen_rows[fmt]) {
         share_widened(fmt, half, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
         return 0;

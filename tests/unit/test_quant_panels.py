@@ -7,6 +7,7 @@ result independent of the rows beside it (integer sums, the same folds at every 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -119,18 +120,82 @@ def test_direct_and_widened_paths_agree_at_every_row_count(fmt, half):
 @pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize(("fmt", "group", "n", "k"), CASES)
 def test_avx512_and_avx2_builds_agree_bit_for_bit(fmt, group, n, k, half):
-    """The 512-bit decode tiles do per lane what the two-ymm tiles do, in the same order: equal results, at every
-    tile height, with bias and accumulation (on an AVX2-only CPU both builds are the AVX2 one)."""
+    """The 512-bit float decode tiles do per lane what the two-ymm tiles do, in the same order: equal results, at
+    every tile height, with bias and accumulation (on an AVX2-only CPU both builds are the AVX2 one). The default
+    build's int4 pieces (tested below) are turned off here."""
     q, p = _packed(fmt, group, n, k, half)
     gen = torch.Generator().manual_seed(n + k)
     bias = torch.randn(n, generator=gen)
     for m in (1, 2, 3, 4, 5, 6, 7, 12):
         x = torch.randn(m, k, generator=gen)
         out = torch.randn(m, n, generator=gen)
-        got = {v: (quant_panels.matmul(x, p, lib=_lib(v)), quant_panels.matmul(x, p, bias, out=out.clone(), lib=_lib(v)))
-               for v in ("avx2", "default")}
+        with _float_tiles(_lib("default")):
+            got = {v: (quant_panels.matmul(x, p, lib=_lib(v)),
+                       quant_panels.matmul(x, p, bias, out=out.clone(), lib=_lib(v))) for v in ("avx2", "default")}
         assert torch.equal(got["avx2"][0], got["default"][0]), m
         assert torch.equal(got["avx2"][1], got["default"][1]), m
+
+
+@contextlib.contextmanager
+def _float_tiles(lib):
+    """int4 times float activations by the float tiles, not the int8 pieces, inside the block."""
+    lib.qgemm_set_int4_pieces(0)
+    try:
+        yield
+    finally:
+        lib.qgemm_set_int4_pieces(1)
+
+
+def _pieces_reference(x: torch.Tensor) -> torch.Tensor:
+    """x as quant_gemm.c's quant_pieces splits it, in float64: per block of 32, d = max |x| / 127 and t = x / d
+    (float32), q1 = rint(t), q2 = rint(128 (t - q1)), q3 = rint(128 (128 (t - q1) - q2)), x' = d (q1 + q2 / 128 +
+    q3 / 16384)."""
+    b = x.float().reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127.0
+    t = b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    pieces = []
+    for _ in range(3):
+        pieces.append(torch.round(t))
+        t = (t - pieces[-1]) * 128.0
+    for q, bound in zip(pieces, (127, 64, 64)):
+        assert q.abs().max() <= bound
+    q1, q2, q3 = (q.double() for q in pieces)
+    return (d.double() * (q1 + q2 / 128 + q3 / 16384)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize(("fmt", "group", "n", "k"), [c for c in CASES if c[0] == "int4"])
+def test_int4_float_activations_as_three_int8_pieces(fmt, group, n, k, half):
+    """Where the build has the VNNI tile, int4 panels times float activations at decode row counts run it over
+    three int8 pieces of each activation block: the result equals the de-quantised weight times the pieces'
+    activations to float32 rounding (and so the float activations within the same bound: tests above), a row's
+    result is the same bit for bit whichever rows share its call, and row counts above the direct tiles' are the
+    float path's. Builds without it report so and never run it."""
+    flags = set(native.cpu_flags().split())
+    vnni = {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= flags
+    assert quant_panels.int4_pieces(_lib("default")) == vnni
+    assert not quant_panels.int4_pieces(_lib("avx2")) and not quant_panels.int4_pieces(_lib("no-vnni"))
+    if not vnni:
+        pytest.skip("no AVX512-VNNI + VBMI: the pieces tile is not in this machine's builds")
+    lib = _lib("default")
+    q, p = _packed(fmt, group, n, k, half)
+    w = q.dequantize()
+    gen = torch.Generator().manual_seed(n * k + 7)
+    x = torch.randn(13, k, generator=gen)
+    x[0, :7] *= 1e3  # an activation outlier: its block's pieces are coarser
+    x[1, 32:64] = 0.0  # an all-zero block
+    x[2, 40] = 1e-30  # below float32's normal range once scaled: its pieces are 0, and that is within the bound
+    for m in (1, 2, 3, 4, 5, 8, 12):
+        xp = _pieces_reference(x[:m])
+        got = quant_panels.matmul(x[:m], p, lib=lib)
+        _check(got, xp @ w.double().t(), x[:m], w)
+        for r in {0, m - 1}:
+            assert torch.equal(quant_panels.matmul(x[r : r + 1], p, lib=lib)[0], got[r]), (m, r)
+        with _float_tiles(lib):
+            assert not torch.equal(got, quant_panels.matmul(x[:m], p, lib=lib))  # the pieces really ran
+    with _float_tiles(lib):
+        widened = quant_panels.matmul(x, p, lib=lib)
+    assert torch.equal(quant_panels.matmul(x, p, lib=lib), widened)  # 13 rows: above the direct tiles
 
 
 @pytest.mark.parametrize("half", HALF)
