@@ -157,7 +157,7 @@ def _pieces_reference(x: torch.Tensor) -> torch.Tensor:
     for _ in range(3):
         pieces.append(torch.round(t))
         t = (t - pieces[-1]) * 128.0
-    for q, bound in zip(pieces, (127, 64, 64)):
+    for q, bound in zip(pieces, (127, 64, 64), strict=True):
         assert q.abs().max() <= bound
     q1, q2, q3 = (q.double() for q in pieces)
     return (d.double() * (q1 + q2 / 128 + q3 / 16384)).reshape(x.shape)
