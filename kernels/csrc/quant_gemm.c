@@ -21,8 +21,8 @@
 
    int4 panels can also be multiplied with int8 activations (FMT_I4A8, block4a8: x quantised in blocks of 32 as
    llama.cpp's Q8_0, integer dot products), by the same direct tiles at every M. Builds with that format's
-   AVX512-VNNI tile run int4 times float activations at decode sizes on it too, over three int8 pieces of each
-   activation block (FMT_I4P3, quant_pieces: float32's accuracy at integer speed; use_pieces says why).
+   AVX512-VNNI tile run int4 times float activations at one to three rows on it too, over three int8 pieces of
+   each activation block (FMT_I4P3, quant_pieces: float32's accuracy at integer speed; pieces_rows says why).
 
    Larger M (prefill), int4: a K-block of each panel is widened once into a float32 scratch tile (KBLOCK x 16,
    L1 resident, as q * s + o) and every row tile of the row block reuses it with the float micro-kernel (6 x 16,
@@ -505,23 +505,25 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
    (AVX512-VNNI + VBMI; INFERQ_NO_VNNI or INFERQ_NO_AVX512 leave it out, for tests and timings). */
 int qgemm_a8_isa(void) { return A8_ISA; }
 
-/* Whether int4 panels times float activations run as the integer tile over three int8 pieces of x (FMT_I4P3):
-   in builds with block4a8_512, at the direct tiles' row counts, where the activation blocks fit the groups (the
-   rule bad_args applies to FMT_I4A8). Why: block4_512 widens each code to a float lane and multiplies it alone
-   (2 shuffles, a shift, a conversion and an FMA per 16 codes), which holds its one-row tile well below the read
-   bandwidth on Zen 4; the pieces cost block4a8_512's 5 ops per 128 codes and 6 vpdpbusd, and keep float32's
-   accuracy (quant_pieces). qgemm_set_int4_pieces(0) turns it off (tests, timings). */
-static int int4_pieces = 1;
-void qgemm_set_int4_pieces(int on) { int4_pieces = on; }
+/* Up to how many rows int4 panels times float activations run as the integer tile over three int8 pieces of x
+   (FMT_I4P3): in builds with block4a8_512, where the activation blocks fit the groups (the rule bad_args applies
+   to FMT_I4A8). Why: block4_512 widens each code to a float lane and multiplies it alone (2 shuffles, a shift, a
+   conversion and an FMA per 16 codes), which holds its one-row tile well below the read bandwidth on Zen 4; the
+   pieces cost block4a8_512's 5 ops per 128 codes and 6 vpdpbusd per row, and keep float32's accuracy
+   (quant_pieces). Measured on a Zen 4 (SmolLM2's shapes, float tile time over pieces, alternated): 1.11-1.29 at
+   one row, 1.03-1.19 at two and three; at four rows (one tile of 4) 0.95-1.11, so 4 and up keep the float tile.
+   qgemm_set_int4_pieces changes the bound (0: never; tests, timings). */
+static int pieces_rows = 3;
+void qgemm_set_int4_pieces(int rows) { pieces_rows = rows; }
 int qgemm_int4_pieces(void) {
 #ifdef BLOCK_I4P3
-    return int4_pieces;
+    return pieces_rows;
 #else
     return 0;
 #endif
 }
 static int use_pieces(int M, int K, int G) {
-    return qgemm_int4_pieces() && M <= widen_rows[FMT_I4] && K % QB == 0 && (G % QB == 0 || QB % G == 0);
+    return M <= qgemm_int4_pieces() && M <= widen_rows[FMT_I4] && K % QB == 0 && (G % QB == 0 || QB % G == 0);
 }
 
 /* the row count is a compile-time constant inside each block (always_inline), hence one case per count */
@@ -756,34 +758,40 @@ static void quant_rows(const float* x, int64_t xs, int M, int K, int G, int8_t* 
    quant_rows sums them. */
 static void quant_pieces(const float* x, int64_t xs, int M, int K, int G, int8_t* q, float* d, float* h) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), up = _mm256_set1_ps(128.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* the packs interleave 128-bit lanes */
     const int ng = K / G, F = G < QB ? G : QB;
     for (int r = 0; r < M; r++) {
         for (int g = 0; g < ng; g++) h[(int64_t)r * ng + g] = 0.f;
         for (int bk = 0; bk < K / QB; bk++) {
             const float* xb = x + r * xs + bk * QB;
             int8_t* qb = q + (int64_t)r * 3 * K + bk * QB;
-            __m256 m = _mm256_setzero_ps();
-            for (int i = 0; i < QB; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + i), absmask));
+            __m256 t[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                t[i] = _mm256_loadu_ps(xb + 8 * i);
+                m = _mm256_max_ps(m, _mm256_and_ps(t[i], absmask));
+            }
             const float dd = _mm256_cvtss_f32(hmax8(m)) / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
             d[(int64_t)r * (K / QB) + bk] = dd / 16384.f;
-            int32_t u[QB] = {0}; /* x' / (d / 16384), exact: |u| < 2^21 */
-            for (int i = 0; i < QB; i += 8) {
-                __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(id));
-                for (int c = 0; c < 3; c++) {
-                    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    int32_t v[8];
-                    _mm256_storeu_si256((__m256i*)v, _mm256_cvtps_epi32(n));
-                    for (int e = 0; e < 8; e++) {
-                        qb[(int64_t)c * K + i + e] = (int8_t)v[e];
-                        u[i + e] = u[i + e] * 128 + v[e];
-                    }
-                    t = _mm256_mul_ps(_mm256_sub_ps(t, n), up);
+            __m256i u[4]; /* x' / (d / 16384), exact: |u| < 2^21 */
+            for (int c = 0; c < 3; c++) {
+                __m256i n[4];
+                for (int i = 0; i < 4; i++) {
+                    if (!c) t[i] = _mm256_mul_ps(t[i], _mm256_set1_ps(id));
+                    const __m256 f = _mm256_round_ps(t[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    n[i] = _mm256_cvtps_epi32(f);
+                    u[i] = c ? _mm256_add_epi32(_mm256_slli_epi32(u[i], 7), n[i]) : n[i];
+                    t[i] = _mm256_mul_ps(_mm256_sub_ps(t[i], f), up);
                 }
+                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+                _mm256_storeu_si256((__m256i*)(qb + (int64_t)c * K), _mm256_permutevar8x32_epi32(p, order));
             }
-            for (int f = 0; f < QB; f += F) {
-                int32_t sum = 0;
-                for (int i = f; i < f + F; i++) sum += u[i];
-                h[(int64_t)r * ng + (bk * QB + f) / G] += dd / 16384.f * (float)sum;
+            for (int f = 0; f < QB; f += F) { /* F is 8, 16 or 32: whole vectors */
+                __m256i sum = u[f / 8];
+                for (int i = f / 8 + 1; i < (f + F) / 8; i++) sum = _mm256_add_epi32(sum, u[i]);
+                int32_t lanes[8], total = 0;
+                _mm256_storeu_si256((__m256i*)lanes, sum);
+                for (int e = 0; e < 8; e++) total += lanes[e];
+                h[(int64_t)r * ng + (bk * QB + f) / G] += dd / 16384.f * (float)total;
             }
         }
     }
