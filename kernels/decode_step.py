@@ -88,9 +88,9 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
         return None
     lib.decode_step.argtypes = [ctypes.POINTER(_Args)]
     lib.decode_step.restype = _I
-    lib.decode_window_greedy.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Embed), _I64, _I, _I, _P, _I64,
-                                         _P, _P, _P, _I, _P]
-    lib.decode_window_greedy.restype = _I
+    lib.decode_window.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Embed), _I64, _I, _I, _P, _I64, _P, _P,
+                                  _P, _I, _P, _I64, _P]
+    lib.decode_window.restype = _I
     lib.set_generic.argtypes = [_I]
     lib.set_avx512.argtypes = [_I]
     lib.f8_from_f32.argtypes = [_F]  # the cache write's float8 conversion (tests compare it with torch's)
@@ -131,7 +131,7 @@ def _panels(lin) -> tuple | None:
 
 
 def _embedding(model) -> _Embed | None:
-    """Where :meth:`DecodeStep.run_greedy_window` embeds its tokens from, as ``model``'s own lookup does: an
+    """Where :meth:`DecodeStep.run_window` embeds its tokens from, as ``model``'s own lookup does: an
     untied float32 or bfloat16 table, or the tied head's panels (float32, bfloat16, or int8 codes and scales
     where the model computes in float32: a bfloat16 model rounds those rows to bfloat16 first, as it would
     float32 panels, which the C lookup does not). None: the window then runs its Python loop."""
@@ -160,8 +160,8 @@ class DecodeStep:
         self.lib = lib
         self.kv_caches = kv_caches
         self.steps = 0  # fused steps run (tests check the path was taken)
-        self.window_steps = 0  # of which from run_decode or run_greedy_window (decode-ahead windows)
-        self.greedy_windows = 0  # windows run whole in C (run_greedy_window)
+        self.window_steps = 0  # of which from run_decode or run_window (decode-ahead windows)
+        self.c_windows = 0  # windows run whole in C (run_window)
         self._keep: list[torch.Tensor] = []  # float32 biases and norm weights, alive as long as the pointers are
         layers = (_Layer * len(model.layers))()
         # an early-exit draft (worker/draft.py) has fewer layers than the caches
@@ -300,13 +300,15 @@ class DecodeStep:
         self.window_steps += 1
         self.call(x, rot, (slot, (1, table, length, int(length[0])), _NO_CHUNKS), None, logits, argmax_only)
 
-    def run_greedy_window(self, token: int, pos0: int, rot: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
-                          stops: list[int]) -> list[int]:
-        """A greedy decode-ahead window in one C call (``decode_window_greedy``): from ``token`` at position
-        ``pos0``, up to ``len(slots)`` tokens, each its logits' argmax, ending after one in ``stops``; the
-        embedding lookup and the argmax are the model's and the sampler's own, so the tokens are those of
-        :meth:`run_decode` in a Python loop. ``rot`` ``[n, D/2, 2]`` float32, ``slots`` int64 ``[n]``,
-        ``table`` int32 ``[1, blocks]``. Needs :attr:`embed` (set where the head runs inside the step)."""
+    def run_window(self, token: int, pos0: int, rot: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+                   stops: list[int], offsets: torch.Tensor | None = None) -> list[int]:
+        """A decode-ahead window in one C call (``decode_window``): from ``token`` at position ``pos0``, up to
+        ``len(slots)`` tokens, each the argmax of its logits (greedy) or, with ``offsets`` (float32 ``[n, V]``,
+        the sampler's race offsets of a row with no cut, drawn for the whole window), of its logits plus its row;
+        ending after one in ``stops``. The embedding lookup and the argmax are the model's and the sampler's
+        own, so the tokens are those of :meth:`run_decode` in a Python loop. ``rot`` ``[n, D/2, 2]`` float32,
+        ``slots`` int64 ``[n]``, ``table`` int32 ``[1, blocks]``. Needs :attr:`embed` (set where the head runs
+        inside the step)."""
         assert self.embed is not None
         n, a = len(slots), self.args
         assert rot.is_contiguous() and slots.is_contiguous() and rot.shape[0] >= n
@@ -315,16 +317,20 @@ class DecodeStep:
         stop_ids = torch.tensor(sorted(stops), dtype=torch.int32)
         a.x, a.M, a.nd, a.np, a.R, a.rows, a.logits = x.data_ptr(), 1, 1, 0, 1, None, logits.data_ptr()
         a.bt, a.bt_ss, a.lens = table.data_ptr(), table.stride(0), length.data_ptr()
-        self._set_screened(True)
-        made = self.lib.decode_window_greedy(ctypes.byref(a), ctypes.byref(self.embed), token, n, pos0,
-                                             rot.data_ptr(), rot.stride(0), slots.data_ptr(), length.data_ptr(),
-                                             stop_ids.data_ptr(), len(stop_ids), out.data_ptr())
+        if offsets is None:
+            self._set_screened(True)
+        else:
+            assert offsets.shape == (n, a.V) and offsets.dtype == torch.float32 and offsets.is_contiguous()
+            self._set_screened(head_screen.ScreenRows(offsets[:1], None))  # C moves it row by row
+        made = self.lib.decode_window(ctypes.byref(a), ctypes.byref(self.embed), token, n, pos0, rot.data_ptr(),
+                                      rot.stride(0), slots.data_ptr(), length.data_ptr(), stop_ids.data_ptr(),
+                                      len(stop_ids), _ptr(offsets), a.V, out.data_ptr())
         if made < 0:
             raise RuntimeError(f"fused decode step failed (code {-made}: 1 a shape the attention kernel does not "
                                "take, 2 out of memory)")
         self.steps += made
         self.window_steps += made
-        self.greedy_windows += 1
+        self.c_windows += 1
         return out[:made].tolist()
 
     def call(self, x: torch.Tensor, rot: torch.Tensor, plan, rows: torch.Tensor | None,

@@ -394,15 +394,15 @@ class CausalLM:
 
     def decode_window(self, kv_caches, backend: AttentionBackend, meta: AttentionMetadata, token: int,
                       slots: torch.Tensor, table: torch.Tensor, pick: Callable[[torch.Tensor, int], int],
-                      stops: set[int], greedy: bool = False, race=None) -> list[int] | None:
+                      stops: set[int], greedy: bool = False, race=None, window=None) -> list[int] | None:
         """A decode-ahead window of one sequence (worker/model_runner.py ``_decode_ahead``) through the fused
         step, with no per-token metadata: ``token`` first, then each token ``pick(logits, i)`` chooses, until
         ``len(slots)`` tokens or one in ``stops``. ``meta``: the first token's (it decides whether the fused step
-        applies); ``slots`` int64 ``[n]`` and ``table`` int32 ``[1, blocks]`` cover the window. Per token, the
-        embedding row, the C step (logits into one buffer) and ``pick`` are all that runs; ``greedy`` (``pick`` is
-        the argmax) runs the whole window in one C call where the step can look the tokens up itself; else
-        ``race(i)``, drawn before token i's step, is its ``argmax_only`` (``forward``). Returns the tokens, or
-        None where the fused step with the LM head inside does not run: the caller then goes token by token."""
+        applies); ``slots`` int64 ``[n]`` and ``table`` int32 ``[1, blocks]`` cover the window. Per token: the
+        embedding row, the C step (logits into one buffer), ``pick``. ``greedy``, or ``window(n)`` (every token's race
+        offsets: a sampled row with no cut), runs it all in one C call where the step can look the tokens up; else
+        ``race(i)``, drawn before token i's step, is its ``argmax_only``. Returns the tokens, or None where the fused
+        step with the head inside does not run: the caller then goes token by token."""
         step = self._fused_step(kv_caches, meta, 1, backend)
         if step is None or not step.has_head:
             return None
@@ -410,11 +410,11 @@ class CausalLM:
         positions = torch.arange(pos0, pos0 + n)
         rot = (self._rope_rows(positions) if self.dtype != torch.float32  # as _run_fused: float32, rotate-half
                else torch.view_as_real(self._rope(positions, pos0 + n - 1)[0]).contiguous())
-        if greedy and step.embed is not None:
-            return step.run_greedy_window(token, pos0, rot, slots, table, sorted(stops))
-        length, ids = torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.long)
+        offsets = window(n) if window is not None and not greedy and step.embed is not None else None
+        if (greedy or offsets is not None) and step.embed is not None:
+            return step.run_window(token, pos0, rot, slots, table, sorted(stops), offsets)
+        length, ids, out = torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.long), []
         logits = torch.empty((1, step.args.V), dtype=torch.float32)
-        out: list[int] = []
         for i in range(n):
             ids[0], length[0] = token, pos0 + i + 1
             x = self._embed_rows(ids)

@@ -423,7 +423,8 @@ class ModelRunner:
         decode_window = getattr(self.model, "decode_window", None)  # not on a tensor-parallel driver
         if dev.type == "cpu" and decode_window is not None:  # the fused step's own loop, where it runs
             window = decode_window(self.kv_caches, self.backend, meta_at(0), token, torch.from_numpy(slots),
-                                   torch.from_numpy(table), pick, stops, greedy=sp.greedy, race=race)
+                                   torch.from_numpy(table), pick, stops, greedy=sp.greedy, race=race,
+                                   window=lambda n: self.sampler.window_offsets(sp, first, n, self.vocab_size))
             if window is not None:
                 return window
         rows, tokens = torch.zeros(1, dtype=torch.long, device=dev), []

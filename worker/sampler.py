@@ -137,6 +137,16 @@ class Sampler:
         top_k = torch.tensor(ks, dtype=torch.int32) if any(ks[i] for i in rows) else None
         return RaceDraw(log_q, ScreenRows(offsets, top_k))
 
+    def window_offsets(self, sp: SamplingParams, first: int, n: int, vocab: int | None) -> torch.Tensor | None:
+        """A decode-ahead window's race offsets ``[n, vocab]`` (output indices ``first`` ..), drawn now, for a
+        sampled row with no top-k or top-p cut: each token is then the argmax of its logits plus its row, which
+        the fused step's C loop takes itself (kernels/decode_step.py ``run_window``). The draws :meth:`race`
+        makes token by token. None, drawing nothing, for any other row."""
+        if not vocab or sp.greedy or sp.top_p < 1.0 or 0 < sp.top_k < vocab:
+            return None
+        draw = self.race([sp] * n, range(first, first + n), vocab)
+        return None if draw is None else draw.screen.offsets
+
     def _race_keys(self, x: torch.Tensor, log_q: torch.Tensor, temps: torch.Tensor,
                    ps: Sequence[SamplingParams]) -> torch.Tensor:
         """Each sampled row's race keys, its token their argmax: ``x - T log q`` for a row with no cut (the

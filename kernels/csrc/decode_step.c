@@ -466,24 +466,30 @@ static void embed_row(const step_embed* e, int64_t id, int H, float* x) {
 
 void argmax_rows_f32(const float* x, int64_t rs, int R, int V, int64_t* out);
 
-/* A greedy decode-ahead window of one sequence (worker/model.py's decode_window where every token is its logits'
-   argmax, argmax.c's, the sampler's own): from `token` at position pos0, up to n tokens, each step fed the
-   token the one before chose; stops after a token in stops[0..nstops). Per token: its embedding into a->x
-   ([1, H]), its RoPE row rot + i rs, its slot slots[i], its length pos0 + i + 1 (into *len, which a->lens
-   points at), then decode_step with the head inside (a->M = a->nd = a->R = 1, a->np = 0, a->rows NULL: the
-   caller's set-up). Why here and not in Python: the loop around each C step there (the lookup, the sampler,
-   the bookkeeping) cost about 0.3 ms a token, 6-8% of a quantised model's step at one sequence. Returns how
-   many tokens were made (into out), or minus decode_step's error code. */
-int decode_window_greedy(step_args* a, const step_embed* e, int64_t token, int n, int pos0, const float* rot,
-                         int64_t rs, const int64_t* slots, int32_t* len, const int32_t* stops, int nstops,
-                         int64_t* out) {
+/* A decode-ahead window of one sequence (worker/model.py's decode_window) where each token is the argmax of its
+   logits (greedy) or of its logits plus its row of offsets (offsets + i os: a sampled row with no cut, the
+   sampler's race keys, worker/sampler.py, drawn before the window; the head screened for that argmax), by
+   argmax.c's argmax, the sampler's own: from `token` at position pos0, up to n tokens, each step fed the token
+   the one before chose; stops after a token in stops[0..nstops). Per token: its embedding into a->x ([1, H]),
+   its RoPE row rot + i rs, its slot slots[i], its length pos0 + i + 1 (into *len, which a->lens points at),
+   then decode_step with the head inside (a->M = a->nd = a->R = 1, a->np = 0, a->rows NULL: the caller's set-up).
+   Why here and not in Python: the loop around each C step there (the lookup, the sampler, the bookkeeping)
+   cost about 0.3 ms a token greedy and more sampled, 6-8% of a quantised model's step at one sequence or more.
+   Returns how many tokens were made (into out), or minus decode_step's error code. */
+int decode_window(step_args* a, const step_embed* e, int64_t token, int n, int pos0, const float* rot, int64_t rs,
+                  const int64_t* slots, int32_t* len, const int32_t* stops, int nstops, const float* offsets,
+                  int64_t os, int64_t* out) {
     for (int i = 0; i < n; i++) {
         embed_row(e, token, a->H, a->x);
         a->rot = rot + (int64_t)i * rs;
         a->slots = slots + i;
         *len = a->max_len = pos0 + i + 1;
+        const float* add = offsets ? offsets + (int64_t)i * os : NULL;
+        if (add && a->screen_add) a->screen_add = add; /* where the head is screened (the caller's set-up) */
         const int err = decode_step(a);
         if (err) return -err;
+        if (add) /* the race keys, as the sampler forms them: logits + offsets in float32 */
+            for (int v = 0; v < a->V; v++) a->logits[v] += add[v];
         argmax_rows_f32(a->logits, a->V, 1, a->V, &token);
         out[i] = token;
         for (int s = 0; s < nstops; s++)

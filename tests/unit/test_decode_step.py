@@ -433,7 +433,7 @@ def test_decode_ahead_window_of_a_bfloat16_model(tiny_dirs):
     plain, _ = _engine_tokens(runner, False, params, prompts(2, seed=4))
     ahead, _ = _engine_tokens(runner, True, params, prompts(2, seed=4))
     step = model._decode_step
-    assert ahead == plain and step.window_steps > 2 * 20 and step.greedy_windows >= 2  # in one C call each
+    assert ahead == plain and step.window_steps > 2 * 20 and step.c_windows >= 2  # in one C call each
     step.embed = None  # the windows' Python loop: the same tokens
     assert _engine_tokens(runner, True, params, prompts(2, seed=4))[0] == plain
 
@@ -446,20 +446,25 @@ def tied_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["float32", "int8", "int4", "w4a8"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_a_greedy_window_in_one_call_makes_the_python_loops_tokens(tiny_dirs, tied_dir, fmt, tied, monkeypatch):
-    """A greedy window run whole in C (``DecodeStep.run_greedy_window``: the embedding looked up from the tied
-    head's panels or the untied table, the argmax taken there) against the same windows' Python loop
-    (``embed`` cleared), and against one-token steps: the same tokens, including a stop token inside a window."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_window_in_one_call_makes_the_python_loops_tokens(tiny_dirs, tied_dir, fmt, tied, temperature,
+                                                             monkeypatch):
+    """A window run whole in C (``DecodeStep.run_window``: the embedding looked up from the tied head's panels or
+    the untied table, the argmax taken there; sampled with no cut: of the logits plus the race offsets the
+    sampler drew for the whole window, seeded) against the same windows' Python loop (``embed`` cleared), and
+    against one-token steps: the same tokens, including a stop token inside a window."""
     path = tied_dir if tied else tiny_dirs["llama"]
     if fmt == "float32":
         runner = packed_runner(path)
     else:
         _panels_planned(monkeypatch)
         runner = ModelRunner(path, block_size=BLOCK, device="cpu", kv_cache_bytes=1 << 20, quantization=fmt)
-    long = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)
+    seed = 9 if temperature else None
+    long = SamplingParams(max_tokens=41, temperature=temperature, seed=seed, ignore_eos=True)
     plain, _ = _engine_tokens(runner, False, long, prompts(3, seed=2))
     stop = plain[1][17]
-    stopping = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    stopping = SamplingParams(max_tokens=41, temperature=temperature, seed=seed, ignore_eos=True,
+                              stop_token_ids=[stop])
     got, stopped_steps = {}, {}
     for c_loop in (True, False):
         runner.model.use_decode_step(True)
@@ -469,7 +474,7 @@ def test_a_greedy_window_in_one_call_makes_the_python_loops_tokens(tiny_dirs, ti
         if not c_loop:
             step.embed = None
         got[c_loop] = [_engine_tokens(runner, True, long, prompts(3, seed=2))[0]]
-        assert (step.greedy_windows >= 3) == c_loop and step.window_steps > 3 * 30
+        assert (step.c_windows >= 3) == c_loop and step.window_steps > 3 * 30
         before = step.window_steps
         got[c_loop].append(_engine_tokens(runner, True, stopping, prompts(3, seed=2))[0])
         stopped_steps[c_loop] = step.window_steps - before  # a window ends at the stop, not at its last slot

@@ -221,14 +221,15 @@ def test_seeded_sampled_tokens_are_the_same_with_and_without_the_screen(tied_dir
                                                                         monkeypatch):
     """Rows sampled by temperature alone draw their race noise before the step and screen the head for the
     argmax of logits + offsets, a top-k row for its k largest logits: with seeds, the very tokens of the
-    unscreened head (one-token steps, and decode-ahead windows stepping in Python); fewer panels read than
-    the head has."""
+    unscreened head (one-token steps, and decode-ahead windows: in one C call for a row with no cut, stepping
+    in Python for a top-k row); fewer panels read than the head has."""
     runner = _runner(tied_dir, dtype)
     params = SamplingParams(max_tokens=33, temperature=temperature, top_k=top_k, seed=4, ignore_eos=True)
     on, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=7))
     step = runner.model._decode_step
-    calls, panels = step.screened_calls, step.screened_panels
-    assert calls >= 3 * 32 and panels < calls * -(-step.args.V // 16)
+    calls, panels, steps = step.screened_calls, step.screened_panels, step.steps
+    assert (step.c_windows >= 3) == (ahead and not top_k)
+    assert calls >= (3 if ahead and not top_k else 3 * 32) and panels < steps * -(-step.args.V // 16)
     monkeypatch.setattr(decode_step.DecodeStep, "_set_screened", lambda self, on: _unscreened(self))
     off, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=7))
     assert on == off and step.screened_calls == calls
