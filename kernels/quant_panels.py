@@ -69,11 +69,11 @@ def act8_isa(lib: ctypes.CDLL | None = None) -> str | None:
     return A8_ISA[lib.qgemm_a8_isa()] if lib is not None else None
 
 
-def int4_pieces(lib: ctypes.CDLL | None = None) -> int:
-    """Up to how many rows int4 panels times float activations run as the integer tile over three int8 pieces of
-    each activation block (AVX512-VNNI + VBMI builds; csrc/quant_gemm.c says why); 0 where they never do."""
+def int4_pieces(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether int4 panels times float activations run as the integer tile over three int8 pieces of each
+    activation block at decode row counts (AVX512-VNNI + VBMI builds; csrc/quant_gemm.c says why)."""
     lib = lib or _load()
-    return 0 if lib is None else int(lib.qgemm_int4_pieces())
+    return lib is not None and bool(lib.qgemm_int4_pieces())
 
 
 @functools.cache

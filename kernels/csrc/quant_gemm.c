@@ -21,8 +21,8 @@
 
    int4 panels can also be multiplied with int8 activations (FMT_I4A8, block4a8: x quantised in blocks of 32 as
    llama.cpp's Q8_0, integer dot products), by the same direct tiles at every M. Builds with that format's
-   AVX512-VNNI tile run int4 times float activations at one to three rows on it too, over three int8 pieces of
-   each activation block (FMT_I4P3, quant_pieces: float32's accuracy at integer speed; pieces_rows says why).
+   AVX512-VNNI tile run int4 times float activations at decode sizes on it too, over three int8 pieces of each
+   activation block (FMT_I4P3, quant_pieces: float32's accuracy at integer speed; int4_pieces says why).
 
    Larger M (prefill), int4: a K-block of each panel is widened once into a float32 scratch tile (KBLOCK x 16,
    L1 resident, as q * s + o) and every row tile of the row block reuses it with the float micro-kernel (6 x 16,
@@ -416,10 +416,13 @@ ALWAYS_INLINE void block4_512(const int MR, const int H, const float* x, int64_t
    broadcast, the same in every lane. Per 8 inputs of 16 columns: a load, 5 ops, then per row 2 broadcasts and
    2 vpdpbusd (block4a8: 10 ops per 4 inputs, then 6 per row). Integer sums are exact, so splitting a fold over
    NS accumulator sets (latency) changes nothing: each fold's column sum is block4a8's, converted and FMA'd in
-   the same order, and both builds give equal results bit for bit. */
-ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const int8_t* xq, int64_t xqs, const float* xd,
-                                int64_t xds, const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K,
-                                float* y, int64_t ys, const float* b, int nc, int accumulate,
+   the same order, and both builds give equal results bit for bit.
+   PC = 3 (FMT_I4P3): each row's activations are three int8 pieces (quant_pieces), each with its own sums; a
+   fold's (at most 32 inputs, codes <= 15) are at most 60,960 for q1 and 30,720 for q2 and q3, so q1's sum and
+   128 q2's + q3's (under 2^22) convert to float exactly, the first scaled by 16384 (a power of two). */
+ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const int8_t* xq, int64_t xqs,
+                                const float* xd, int64_t xds, const float* xh, int ng, const uint8_t* w, const void* sz,
+                                int G, int K, float* y, int64_t ys, const float* b, int nc, int accumulate,
                                 const uint8_t* prefetch) {
     /* two sets at one row, not block4_512's four: the sets alternate by step, (2 step) % NS, an index known only
        at run time (F depends on G) for NS = 4, which put the accumulators on the stack (measured on a Zen 4: the
@@ -463,9 +466,7 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
         _Pragma("GCC unroll 3") for (int c = 0; c < PC; c++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
                 if (NS == 2) a[c][0][r] = _mm512_add_epi32(a[c][0][r], a[c][1][r]);
-                /* pieces: the codes times q2 / 128 + q3 / 16384 in units of 1 / 16384 (quant_pieces), below 2^24 so
-                   its conversion is exact, as is q1's sum's (times 16384, a power of two, in the scale) */
-                if (c == 2) a[1][0][r] = _mm512_add_epi32(_mm512_slli_epi32(a[1][0][r], 7), a[2][0][r]);
+                if (c == 2) /* pieces: the codes times q2 / 128 + q3 / 16384, in units of 1 / 16384 */ a[1][0][r] = _mm512_add_epi32(_mm512_slli_epi32(a[1][0][r], 7), a[2][0][r]);
             }
         const int64_t gs = (int64_t)g * 2 * PANEL;
         const __m512 sc = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs)))
@@ -475,7 +476,8 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
             if (PC == 1) {
                 t[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(a[0][0][r]), t[r]);
             } else {
-                t[r] = _mm512_fmadd_ps(_mm512_mul_ps(sd, _mm512_set1_ps(16384.f)), _mm512_cvtepi32_ps(a[0][0][r]), t[r]);
+                const __m512 sd1 = _mm512_mul_ps(sd, _mm512_set1_ps(16384.f));
+                t[r] = _mm512_fmadd_ps(sd1, _mm512_cvtepi32_ps(a[0][0][r]), t[r]);
                 t[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(a[1][0][r]), t[r]);
             }
         }
@@ -505,25 +507,25 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
    (AVX512-VNNI + VBMI; INFERQ_NO_VNNI or INFERQ_NO_AVX512 leave it out, for tests and timings). */
 int qgemm_a8_isa(void) { return A8_ISA; }
 
-/* Up to how many rows int4 panels times float activations run as the integer tile over three int8 pieces of x
-   (FMT_I4P3): in builds with block4a8_512, where the activation blocks fit the groups (the rule bad_args applies
-   to FMT_I4A8). Why: block4_512 widens each code to a float lane and multiplies it alone (2 shuffles, a shift, a
-   conversion and an FMA per 16 codes), which holds its one-row tile well below the read bandwidth on Zen 4; the
-   pieces cost block4a8_512's 5 ops per 128 codes and 6 vpdpbusd per row, and keep float32's accuracy
-   (quant_pieces). Measured on a Zen 4 (SmolLM2's shapes, float tile time over pieces, alternated): 1.11-1.29 at
-   one row, 1.03-1.19 at two and three; at four rows (one tile of 4) 0.95-1.11, so 4 and up keep the float tile.
-   qgemm_set_int4_pieces changes the bound (0: never; tests, timings). */
-static int pieces_rows = 3;
-void qgemm_set_int4_pieces(int rows) { pieces_rows = rows; }
+/* Whether int4 panels times float activations run as the integer tile over three int8 pieces of x (FMT_I4P3): in
+   builds with block4a8_512, at the direct tiles' row counts, where the activation blocks fit the groups (the
+   rule bad_args applies to FMT_I4A8). Why: block4_512 widens each code to a float lane and multiplies it alone
+   (2 shuffles, a shift, a conversion and an FMA per 16 codes), which holds its one-row tile well below the read
+   bandwidth on Zen 4; the pieces cost block4a8_512's 5 ops per 128 codes and 6 vpdpbusd per row, and keep
+   float32's accuracy (quant_pieces). Measured on a Zen 4 (SmolLM2's shapes, the float tile's time over the
+   pieces', alternated): 1.09-1.30 at one row; 0.96-1.19 at 2-12 rows, the larger shapes gaining most (gate_up
+   1.11-1.19, o 0.96-1.12). qgemm_set_int4_pieces(0) turns it off (tests, timings). */
+static int int4_pieces = 1;
+void qgemm_set_int4_pieces(int on) { int4_pieces = on; }
 int qgemm_int4_pieces(void) {
 #ifdef BLOCK_I4P3
-    return pieces_rows;
+    return int4_pieces;
 #else
     return 0;
 #endif
 }
 static int use_pieces(int M, int K, int G) {
-    return M <= qgemm_int4_pieces() && M <= widen_rows[FMT_I4] && K % QB == 0 && (G % QB == 0 || QB % G == 0);
+    return qgemm_int4_pieces() && M <= widen_rows[FMT_I4] && K % QB == 0 && (G % QB == 0 || QB % G == 0);
 }
 
 /* the row count is a compile-time constant inside each block (always_inline), hence one case per count */
@@ -670,9 +672,9 @@ static void share_direct(int fmt, int half, const float* x, int64_t xs, const vo
                     tile_i8(mr, x + m0 * xs, xs, (const int8_t*)w, K, (const float*)sp, y + m0 * ys + n0, ys, b ? b + n0 : 0, nc,
                             accumulate, next);
                 else if (fmt == FMT_I4A8 || fmt == FMT_I4P3)
-                    tile_i4a8(fmt, mr, half, xa->q + (int64_t)m0 * K * pc, K * pc, xa->d + (int64_t)m0 * (K / QB), K / QB,
-                              xa->h + (int64_t)m0 * ng, ng, (const uint8_t*)w, sp, G, K, y + m0 * ys + n0, ys,
-                              b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
+                    tile_i4a8(fmt, mr, half, xa->q + (int64_t)m0 * K * pc, K * pc, xa->d + (int64_t)m0 * (K / QB),
+                              K / QB, xa->h + (int64_t)m0 * ng, ng, (const uint8_t*)w, sp, G, K, y + m0 * ys + n0,
+                              ys, b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
                 else
                     tile_i4(mr, half, x + m0 * xs, xs, (const uint8_t*)w, sp, G, K, xg + (int64_t)m0 * ng, ng,
                             y + m0 * ys + n0, ys, b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
@@ -751,8 +753,8 @@ static void quant_rows(const float* x, int64_t xs, int M, int K, int G, int8_t* 
 /* x's M rows as three int8 pieces per block of 32 (FMT_I4P3): with d = max |x| / 127 and t = x / d, q1 = rint(t),
    q2 = rint(128 (t - q1)), q3 = rint(128 (128 (t - q1) - q2)). Each difference and scaling is exact in float32,
    so x' = d (q1 + q2 / 128 + q3 / 16384) is x within d / 32768 (2^-22 of the block's largest |x|: below
-   float32's rounding of the sums the tile forms); |q1| <= 127, |q2|, |q3| <= 64 (block4a8_512 says why that
-   fits). Row r's piece c at q + 3 K r + K c; d holds d / 16384, the unit of the pieces' combined sum; h the group
+   float32's rounding of the sums the tile forms); |q1| <= 127, |q2|, |q3| <= 64 (block4a8_512 says what that
+   bounds). Row r's piece c at q + 3 K r + K c; d holds d / 16384, the unit of the pieces' combined sum; h the group
    sums of x' (not of x: the offsets' term must see the activations the codes' term sees, or a group whose
    scales and offsets nearly cancel, as an outlier weight's does, loses that cancellation), per fold as
    quant_rows sums them. */
@@ -809,8 +811,7 @@ static int bad_args(int fmt, int K, int G) {
 }
 
 /* int4 panels times activations in int8 blocks (FMT_I4A8: one piece; FMT_I4P3: float activations as three
-   pieces), by the integer tiles: a row's result does not
-   depend on its batch. */
+   pieces), by the integer tiles: a row's result does not depend on its batch. */
 static int act8_product(int fmt, int half, const float* x, int64_t xs, const void* wp, const void* s, int G,
                         const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
     const int pc = fmt == FMT_I4P3 ? 3 : 1;

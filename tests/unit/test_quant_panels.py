@@ -129,7 +129,7 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(fmt, group, n, k, half):
     for m in (1, 2, 3, 4, 5, 6, 7, 12):
         x = torch.randn(m, k, generator=gen)
         out = torch.randn(m, n, generator=gen)
-        with _pieces_rows(_lib("default"), 0):
+        with _float_tiles(_lib("default")):
             got = {v: (quant_panels.matmul(x, p, lib=_lib(v)),
                        quant_panels.matmul(x, p, bias, out=out.clone(), lib=_lib(v))) for v in ("avx2", "default")}
         assert torch.equal(got["avx2"][0], got["default"][0]), m
@@ -137,14 +137,13 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(fmt, group, n, k, half):
 
 
 @contextlib.contextmanager
-def _pieces_rows(lib, rows: int):
-    """int4 times float activations by the int8 pieces up to ``rows`` rows inside the block (0: the float tiles)."""
-    default = lib.qgemm_int4_pieces()
-    lib.qgemm_set_int4_pieces(rows)
+def _float_tiles(lib):
+    """int4 times float activations by the float tiles, not the int8 pieces, inside the block."""
+    lib.qgemm_set_int4_pieces(0)
     try:
         yield
     finally:
-        lib.qgemm_set_int4_pieces(default)
+        lib.qgemm_set_int4_pieces(1)
 
 
 def _pieces_reference(x: torch.Tensor) -> torch.Tensor:
@@ -167,15 +166,15 @@ def _pieces_reference(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize(("fmt", "group", "n", "k"), [c for c in CASES if c[0] == "int4"])
 def test_int4_float_activations_as_three_int8_pieces(fmt, group, n, k, half):
-    """Where the build has the VNNI tile, int4 panels times float activations at one to three rows (by default;
-    up to the direct tiles' 12 when set) run it over three int8 pieces of each activation block: the result
-    equals the de-quantised weight times the pieces' activations to float32 rounding (and so the float
-    activations within the same bound: tests above), a row's result is the same bit for bit whichever rows share
-    its call, and more rows than the bound run the float tiles. Builds without it report so and never run it."""
+    """Where the build has the VNNI tile, int4 panels times float activations at decode row counts run it over
+    three int8 pieces of each activation block: the result equals the de-quantised weight times the pieces'
+    activations to float32 rounding (and so the float activations within the same bound: tests above), a row's
+    result is the same bit for bit whichever rows share its call, and row counts above the direct tiles' are the
+    float path's. Builds without it report so and never run it."""
     flags = set(native.cpu_flags().split())
     vnni = {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= flags
-    assert quant_panels.int4_pieces(_lib("default")) == (3 if vnni else 0)
-    assert quant_panels.int4_pieces(_lib("avx2")) == quant_panels.int4_pieces(_lib("no-vnni")) == 0
+    assert quant_panels.int4_pieces(_lib("default")) == vnni
+    assert not quant_panels.int4_pieces(_lib("avx2")) and not quant_panels.int4_pieces(_lib("no-vnni"))
     if not vnni:
         pytest.skip("no AVX512-VNNI + VBMI: the pieces tile is not in this machine's builds")
     lib = _lib("default")
@@ -187,19 +186,15 @@ def test_int4_float_activations_as_three_int8_pieces(fmt, group, n, k, half):
     x[1, 32:64] = 0.0  # an all-zero block
     x[2, 40] = 1e-30  # below float32's normal range once scaled: its pieces are 0, and that is within the bound
     for m in (1, 2, 3, 4, 5, 8, 12):
-        with _pieces_rows(lib, 12):
-            got = quant_panels.matmul(x[:m], p, lib=lib)
-            _check(got, _pieces_reference(x[:m]) @ w.double().t(), x[:m], w)
-            for r in {0, m - 1}:
-                assert torch.equal(quant_panels.matmul(x[r : r + 1], p, lib=lib)[0], got[r]), (m, r)
-        with _pieces_rows(lib, 0):
-            floats = quant_panels.matmul(x[:m], p, lib=lib)
-        assert not torch.equal(got, floats)  # the pieces really ran
-        assert torch.equal(quant_panels.matmul(x[:m], p, lib=lib), got if m <= 3 else floats), m  # the default
-    with _pieces_rows(lib, 0):
+        got = quant_panels.matmul(x[:m], p, lib=lib)
+        _check(got, _pieces_reference(x[:m]) @ w.double().t(), x[:m], w)
+        for r in {0, m - 1}:
+            assert torch.equal(quant_panels.matmul(x[r : r + 1], p, lib=lib)[0], got[r]), (m, r)
+        with _float_tiles(lib):
+            assert not torch.equal(got, quant_panels.matmul(x[:m], p, lib=lib))  # the pieces really ran
+    with _float_tiles(lib):
         widened = quant_panels.matmul(x, p, lib=lib)
-    with _pieces_rows(lib, 13):
-        assert torch.equal(quant_panels.matmul(x, p, lib=lib), widened)  # 13 rows: above the direct tiles
+    assert torch.equal(quant_panels.matmul(x, p, lib=lib), widened)  # 13 rows: above the direct tiles
 
 
 @pytest.mark.parametrize("half", HALF)
