@@ -395,3 +395,38 @@ def test_few_long_sequences_split_over_the_threads(dtype, lens, path):
     torch.testing.assert_close(split, expected, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(split, whole, atol=2e-5, rtol=1e-4)
     assert not torch.equal(split, whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["f32", "bf16", "int8"])
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_scores_that_rise_along_the_context(dtype, path):
+    """The AVX-512 item's online softmax raises each query head's running max chunk by chunk and rescales what it
+    summed before: every head's score climbs by about 0.4 a position (a new max in every chunk, each rescale near
+    e^-3), and position 250 of the first sequence scores about 60 above its neighbours (all before it scaled to
+    nothing). Against the reference, with the contexts split over the threads and not."""
+    if path == "avx512" and not cpu_attention.has_avx512():
+        pytest.skip("no AVX-512 path on this CPU")
+    hq, hkv, d, bs, lens = 9, 3, 64, 16, [300, 41]
+    g = torch.Generator().manual_seed(7)
+    _, _, _, tables, seq_lens = _case(hq, hkv, d, bs, torch.float32, lens, seed=5)
+    nb, scale = int(tables.max()) + 1, d ** -0.5
+    unit = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    query = 0.1 * torch.randn(len(lens), hq, d, generator=g) + unit  # q . unit near 1 for every head
+    k = 0.3 * torch.randn(nb, bs, hkv, d, generator=g)
+    v = torch.randn(nb, bs, hkv, d, generator=g)
+    for s, n in enumerate(lens):
+        for p in range(n):
+            k[int(tables[s, p // bs]), p % bs] += 0.4 * p / scale * unit
+    k[int(tables[0, 250 // bs]), 250 % bs] += 60.0 / scale * unit
+    kc = kv_quant.pack(k, dtype) if kv_quant.is_quantized(dtype) else k.to(dtype)
+    vc = kv_quant.pack(v, dtype) if kv_quant.is_quantized(dtype) else v.to(dtype)
+    expected = reference.paged_attention(query, _widened(kc), _widened(vc), tables, seq_lens,
+                                         torch.arange(len(lens) + 1, dtype=torch.int32), scale)
+    for split in (True, False):
+        cpu_attention.use_split(split)
+        try:
+            got = _decode_on(path, query, kc, vc, tables, seq_lens, max(lens), scale)
+        finally:
+            cpu_attention.use_split(True)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
