@@ -1,7 +1,8 @@
 """Small CPU ops of the model's forward in one C call each: RMSNorm (``csrc/rms_norm.c``), RoPE
 (``csrc/rope.c``: interleaved pairs in float32, rotate-half in bfloat16) and SwiGLU (``csrc/activation.c``),
 on float32 or bfloat16 rows (float32 arithmetic, one rounding per bfloat16 result), and the sampler's row-wise
-argmax of float32 logits (``csrc/argmax.c``), one library built by :mod:`kernels.native`.
+argmax of float32 logits (``csrc/argmax.c``) and its race noise (``csrc/race_noise.c``), one library built by
+:mod:`kernels.native`.
 
 Why: at decode sizes each of these is a chain of small torch ops (RMSNorm ~10-30 us a call, 61 calls in a step
 of a 30-layer model; RoPE and SwiGLU four or five ops a layer): together about 1.5 ms of a ~22 ms
@@ -18,7 +19,7 @@ import torch
 
 from kernels import native
 
-SOURCES = ("rms_norm.c", "rope.c", "activation.c", "argmax.c")
+SOURCES = ("rms_norm.c", "rope.c", "activation.c", "argmax.c", "race_noise.c")
 LEVELS = {2: "avx512", 1: "avx2", 0: "scalar"}
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -40,6 +41,8 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.argmax_rows_f32.argtypes = [_P, _I64, _I, _I, _P]
     lib.argmax_rows_f32.restype = None
+    lib.race_log_noise.argtypes = [_P, _I, _I, _P, _I64]
+    lib.race_log_noise.restype = None
     lib.vector_width_level.restype = ctypes.c_int
     return lib
 
@@ -102,3 +105,41 @@ def argmax_rows(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor
     out = torch.empty(r, dtype=torch.int64)
     lib.argmax_rows_f32(x.data_ptr(), x.stride(0), r, v, out.data_ptr())
     return out
+
+
+def race_log_noise(keys: list[int], vocab: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """float32 ``[len(keys), vocab]``: row r holds log E for E ~ Exp(1), column i a function of (keys[r], i) only
+    (64-bit keys; csrc/race_noise.c says how), the same bits on every vector path."""
+    lib = lib or load()
+    out = torch.empty((len(keys), vocab), dtype=torch.float32)
+    if keys:
+        ks = (ctypes.c_uint64 * len(keys))(*keys)
+        lib.race_log_noise(ctypes.cast(ks, _P), len(keys), vocab, out.data_ptr(), out.stride(0))
+    return out
+
+
+def race_log_noise_reference(keys: list[int], vocab: int) -> torch.Tensor:
+    """:func:`race_log_noise` in numpy, from the same 32 bits per column with float64 logs (within an ulp or
+    two of the C values): where the library cannot be built, and the tests' reference."""
+    import numpy as np
+
+    m32, m64 = (1 << 32) - 1, (1 << 64) - 1
+
+    def mix32(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x21F0AAAD) & m32
+        x = x ^ (x >> 15)
+        x = (x * 0x735A2D97) & m32
+        return x ^ (x >> 15)
+
+    out = np.empty((len(keys), vocab), dtype=np.float32)
+    cols = np.arange(vocab, dtype=np.uint64)
+    for r, key in enumerate(keys):
+        z = (key + 0x9E3779B97F4A7C15) & m64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        z ^= z >> 31
+        x = mix32(mix32((cols + np.uint64(z & m32)) & np.uint64(m32)) ^ np.uint64(z >> 32))
+        u = (x.astype(np.float64) + 0.5) / 2.0**32
+        out[r] = np.log(-np.log(u))
+    return torch.from_numpy(out)

@@ -4,9 +4,9 @@ Sampling uses the exponential race: with q_v ~ Exp(1) i.i.d., ``argmax_v p_v / q
 ``p``. In log space that is ``argmax_v (logits_v / T - log q_v)`` over the allowed tokens, so no softmax
 is needed; a row with no top-k or top-p cut takes it as ``argmax_v (logits_v - T log q_v)`` (the same race
 times T > 0: one add over the row, and what a screened head bounds). For a seeded request the noise vector
-for output index i is drawn from a generator seeded by a hash of (seed, i), so the token depends only on the
-logits, the seed and i — not on which other requests share the batch, nor on preemption and recomputation.
-Unseeded requests draw from one global generator.
+for output index i is a function of a hash of (seed, i) (kernels/csrc/race_noise.c), so the token depends only
+on the logits, the seed and i — not on which other requests share the batch, nor on preemption and
+recomputation, nor on the CPU. Unseeded requests draw their keys from the sampler's own generator.
 
 Where no sampling row has a top-p cut, the noise can be drawn before the step (:meth:`Sampler.race`): the step
 then reads only each row's argmax of ``logits + offsets`` (offsets ``-T log q``; zero for a greedy row), or
@@ -80,8 +80,8 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
         # Noise on the CPU (every seeded row's, so a given (seed, index) gives the same token on every device) is
-        # drawn by numpy's PCG64 and ziggurat: 0.2 ms for 49,152 Exp(1) draws where torch's exponential_ took
-        # 0.9 ms (Zen 4), a tenth of a small model's step at one sequence.
+        # computed in C from one key a row (kernels/csrc/race_noise.c: 27 us for 49,152 columns where numpy's
+        # ziggurat and torch's log took 160 and torch's exponential_ 900); unseeded rows draw their key here.
         self._rng = np.random.Generator(np.random.PCG64(seed))
 
     def sample(
@@ -107,7 +107,7 @@ class Sampler:
         ps = [params[i] for i in rows]
         temps = torch.tensor([p.temperature for p in ps], device=x.device, dtype=torch.float32)
         if race is None:
-            log_q = self._noise(len(rows), vocab, ps, [output_indices[i] for i in rows], x.device).log()
+            log_q = self._log_noise(len(rows), vocab, ps, [output_indices[i] for i in rows], x.device)
         else:
             log_q = race.log_q
         picked = _argmax(self._race_keys(x.float(), log_q, temps, ps))
@@ -128,7 +128,7 @@ class Sampler:
                            or ks[i] and params[i].temperature < MIN_CUT_TEMPERATURE for i in rows):
             return None
         ps = [params[i] for i in rows]
-        log_q = self._noise(len(rows), vocab, ps, [output_indices[i] for i in rows], self.device).log()
+        log_q = self._log_noise(len(rows), vocab, ps, [output_indices[i] for i in rows], self.device)
         temps = torch.tensor([p.temperature for p in ps], device=self.device, dtype=torch.float32)
         offsets = log_q * -temps[:, None]  # the race keys' own products (_race_keys)
         if len(rows) < len(params):  # greedy rows: zero (their argmax)
@@ -194,26 +194,27 @@ class Sampler:
         sorted_x = sorted_x.masked_fill(remove, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
-    def _noise(
+    def _log_noise(
         self, n: int, vocab: int, ps: Sequence[SamplingParams], indices: Sequence[int], device: torch.device
     ) -> torch.Tensor:
-        """Exp(1) noise ``[n, vocab]``: seeded rows from hash(seed, index) generators, the others from the
-        sampler's own (on a GPU, its device generator)."""
+        """log E for Exp(1) noise E, ``[n, vocab]``. Each CPU row is a function of one 64-bit key
+        (kernels/csrc/race_noise.c): a seeded row's hash of (seed, index), another row's drawn from the
+        sampler's own generator; on a GPU the unseeded rows come from its device generator instead."""
         on_cpu = device.type == "cpu"
-        noise = torch.empty((n, vocab), dtype=torch.float32, device=device)
+        out = torch.empty((n, vocab), dtype=torch.float32, device=device)
         unseeded = [j for j, p in enumerate(ps) if p.seed is None]
         if unseeded and not on_cpu:
             idx = torch.tensor(unseeded, device=device)
             draw = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device)
-            noise[idx] = draw.exponential_(generator=self.generator)
-        rows = noise if on_cpu else torch.empty((n, vocab), dtype=torch.float32)
-        for j, p in enumerate(ps):
-            if p.seed is None and not on_cpu:
-                continue
-            rng = self._rng if p.seed is None else np.random.Generator(
-                np.random.PCG64(seed_for(int(p.seed), int(indices[j]))))
-            rng.standard_exponential(out=rows[j].numpy(), dtype=np.float32)
-            if not on_cpu:
-                noise[j] = rows[j].to(device)
-        # Exp(1) draws can be exactly 0 in float32: keep the log finite.
-        return noise.clamp_min_(1e-30)
+            # Exp(1) draws can be exactly 0 in float32: keep the log finite.
+            out[idx] = draw.exponential_(generator=self.generator).clamp_min_(1e-30).log_()
+        rows = [j for j, p in enumerate(ps) if on_cpu or p.seed is not None]
+        keys = [int(self._rng.integers(1 << 63)) if ps[j].seed is None else seed_for(int(ps[j].seed), int(indices[j]))
+                for j in rows]
+        noise = cpu_norm.race_log_noise(keys, vocab) if cpu_norm.load() else cpu_norm.race_log_noise_reference(
+            keys, vocab)
+        if on_cpu and len(rows) == n:
+            return noise
+        if rows:
+            out[torch.tensor(rows, device=device)] = noise.to(device)
+        return out
