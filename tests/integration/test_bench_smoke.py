@@ -144,7 +144,8 @@ def test_roofline_smoke(tiny, tmp_path):
 def test_latency_smoke(tiny, tmp_path):
     from bench import latency
 
-    latency.run(str(tiny), engines=("inferq", "inferq-service", "sampled"), quick=True, out=tmp_path, log=_quiet)
+    latency.run(str(tiny), engines=("inferq", "inferq-service", "sampled", "sampled-top-p"), quick=True, out=tmp_path,
+                log=_quiet)
     data = json.loads((tmp_path / "latency.json").read_text())
     assert data["read_gbs"] > 0.1
     d = data["dtypes"]["float32"]
@@ -173,9 +174,10 @@ def test_latency_smoke(tiny, tmp_path):
         assert not row["head_in_step"] or parts["lm_head"] == 0
         assert abs(sum(parts.values()) - row["step_ms"]) < 1e-6 * row["step_ms"] + 1e-9  # the parts are the step
         assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6)
-    ours, op_by_op, offline, service, sampled = d["streams"]
+    ours, op_by_op, offline, service, sampled, top_p = d["streams"]
     assert sampled["engine"] == "inferq, sampled (t=1)" and 0 < len(sampled["outputs"][0]) <= 8
-    assert sampled["decode_tok_s"] > 0
+    assert top_p["engine"] == "inferq, sampled (t=1, top-p 0.95)" and 0 < len(top_p["outputs"][0]) <= 8
+    assert sampled["decode_tok_s"] > 0 and top_p["decode_tok_s"] > 0
     assert offline["engine"].startswith("inferq (offline") and offline["outputs"] == ours["outputs"]
     assert service["engine"].startswith("inferq service") and service["requests"] == ours["requests"]
     assert service["output_tokens"] == sum(map(len, ours["outputs"]))  # greedy through the service: as many
