@@ -64,7 +64,7 @@ NUCLEUS_TOP, NUCLEUS_BUCKETS, NUCLEUS_SPAN = 256, 512, 24.0
 
 
 def _kept(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The token ids a cut keeps of one row ``z`` (logits / T): its ``top_k`` largest where top_k > 0, then, where
+    """What a cut keeps of one row ``z`` (logits / T), as token ids or a mask: its ``top_k`` largest where top_k > 0, then, where
     top_p < 1, the smallest most likely prefix of those (or of the whole row) whose softmax mass reaches top_p
     (a token stays while the mass of those before it is below top_p; the first always). Why not one sort of the
     row: sorting 49,152 logits took 3 ms on the CPU (more than a quantised model's whole step); a top-k of 256
@@ -85,19 +85,21 @@ def _kept(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def _nucleus_by_buckets(z: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The top-p prefix without sorting the row: each token's bucket by how far z falls below its max (a bucket
-    above another holds only larger probabilities), the buckets' masses summed from the top to the one where the
-    prefix ends, and only that bucket sorted."""
-    bucket = ((z.max() - z) * (NUCLEUS_BUCKETS / NUCLEUS_SPAN)).long().clamp_max_(NUCLEUS_BUCKETS - 1)
-    mass = torch.zeros(NUCLEUS_BUCKETS, dtype=probs.dtype).index_add_(0, bucket, probs)
+    """The top-p prefix as a mask over the row, without sorting it: each token's bucket by how far z falls below
+    its max (a bucket above another holds only larger probabilities), the buckets' masses summed from the top to
+    the one where the prefix ends, and only that bucket's probabilities sorted, for the smallest one kept (tokens
+    equal to it all stay)."""
+    below = (z.max() - z).clamp_max_(NUCLEUS_SPAN)  # -inf logits (masked tokens) too: into the last bucket
+    bucket = (below * (NUCLEUS_BUCKETS / NUCLEUS_SPAN)).long().clamp_max_(NUCLEUS_BUCKETS - 1)
+    mass = torch.zeros(NUCLEUS_BUCKETS, dtype=probs.dtype, device=z.device).index_add_(0, bucket, probs)
     running = mass.cumsum(0)
     reached = (running >= top_p).nonzero()
     last = int(reached[0]) if len(reached) else int((mass > 0).nonzero()[-1])  # rounding: the whole row
-    inside = (bucket == last).nonzero().squeeze(1)
-    values, order = probs[inside].sort(descending=True)
+    inside = bucket == last
+    values = probs.masked_select(inside).sort(descending=True).values
     keep = (float(running[last] - mass[last]) + values.cumsum(0) - values) < top_p
-    keep[0] |= last == 0
-    return torch.cat([(bucket < last).nonzero().squeeze(1), inside[order[keep]]])
+    kept = max(1, int(keep.sum())) if last == 0 else int(keep.sum())  # a prefix: the running mass only grows
+    return (bucket < last) | (inside & (probs >= values[kept - 1]))
 
 
 def _prefix(probs: torch.Tensor, mass: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -202,11 +204,19 @@ class Sampler:
         offsets :meth:`race` hands a screened head, the same float32 products), ``x / T - log q`` over the tokens
         a top-k or top-p cut keeps (:func:`_kept`) for a row with one (the first of equal keys by index)."""
         vocab = x.shape[1]
-        out = _argmax(x + log_q * -temps[:, None])
-        for j, p in enumerate(ps):
-            if 0 < p.top_k < vocab or p.top_p < 1.0:
-                z = x[j] / temps[j]
-                kept = _kept(z, p.top_k if 0 < p.top_k < vocab else 0, p.top_p)
+        cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if not cut:
+            return _argmax(x + log_q * -temps[:, None])
+        out = torch.empty(len(ps), dtype=torch.long, device=x.device)
+        if len(cut) < len(ps):
+            plain = torch.tensor([j for j in range(len(ps)) if j not in cut], device=x.device)
+            out[plain] = _argmax(x[plain] + log_q[plain] * -temps[plain, None])
+        for j in cut:
+            p, z = ps[j], x[j] / temps[j]
+            kept = _kept(z, p.top_k if 0 < p.top_k < vocab else 0, p.top_p)
+            if kept.dtype == torch.bool:
+                out[j] = _argmax(torch.where(kept, z - log_q[j], float("-inf"))[None])[0]
+            else:
                 keys = z[kept] - log_q[j, kept]
                 out[j] = kept[keys == keys.max()].min()
         return out
