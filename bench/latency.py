@@ -470,7 +470,8 @@ def llama_stream(model_dir: Path, dtype: str, chats: list[list[dict]], max_token
         ttft, tpot, outs = [], [], []
         decode_tokens, decode_time = 0, 0.0
         for k, chat in enumerate(chats):
-            cut = {"top_p": top_p, "samplers": ["top_p", "temperature"]} if top_p < 1.0 else {"samplers": ["temperature"]}
+            cut = ({"top_p": top_p, "samplers": ["top_p", "temperature"]} if top_p < 1.0 else
+                   {"samplers": ["temperature"]})
             how = ({"temperature": temperature, "seed": k, **cut} if temperature else
                    {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]})
             r = server.client.post("/completion", json={"prompt": encode(chat), "n_predict": max_tokens,

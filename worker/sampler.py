@@ -64,11 +64,12 @@ NUCLEUS_TOP, NUCLEUS_BUCKETS, NUCLEUS_SPAN = 256, 512, 24.0
 
 
 def _kept(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """What a cut keeps of one row ``z`` (logits / T), as token ids or a mask: its ``top_k`` largest where top_k > 0, then, where
-    top_p < 1, the smallest most likely prefix of those (or of the whole row) whose softmax mass reaches top_p
-    (a token stays while the mass of those before it is below top_p; the first always). Why not one sort of the
-    row: sorting 49,152 logits took 3 ms on the CPU (more than a quantised model's whole step); a top-k of 256
-    finds a peaked row's prefix in 0.07 ms, and :func:`_nucleus_by_buckets` any other's in 0.2-0.4 ms."""
+    """What a cut keeps of one row ``z`` (logits / T), as token ids or as a mask: its ``top_k`` largest where
+    top_k > 0, then, where top_p < 1, the smallest most likely prefix of those (or of the whole row) whose softmax
+    mass reaches top_p (a token stays while the mass of those before it is below top_p; the first always). Why not
+    one sort of the row: sorting 49,152 logits took 3 ms on the CPU (more than a quantised model's whole step); a
+    top-k of 256 finds a peaked row's prefix in 0.07 ms, and :func:`_nucleus_by_buckets` any other's in 0.2-0.4
+    ms."""
     if top_k:
         values, ids = z.topk(top_k)
         if top_p >= 1.0:

@@ -7,11 +7,12 @@
    independent work (vectorised, and shared over the threads for several rows), and the two logs are one
    polynomial each.
 
-   Column i of a row keyed k, (k0, k1) the halves of splitmix64(k), takes x = mix32(mix32(i + k0) ^ k1), two rounds of a bijective 32-bit
-   finaliser. E = -log(U) with U = (x + 1/2) / 2^32 is computed where it is precise at both ends: for U < 1/2 as
-   -log(U), from U' = (~x + 1/2) / 2^32 = 1 - U exact in float; for U >= 1/2 (small E, where the race is decided,
-   so its relative precision matters) as -log1p(-V), V = (x + 1/2) / 2^32 < 1/2 exact, through log1p(-V) =
-   log(W) - ((W - 1) + V) / W with W = 1 - V rounded. The smallest E is 2^-33, the largest 22.9.
+   Column i of a row keyed k takes x = mix32(mix32(i + k0) ^ k1), two rounds of a bijective 32-bit finaliser,
+   (k0, k1) the halves of splitmix64(k). E = -log(U), U = (x + 1/2) / 2^32, is computed where it is precise at
+   both ends: for U < 1/2 as -log(U); for U >= 1/2 (small E, where the race is decided, so its relative
+   precision matters) as -log1p(-V) from V = (~x + 1/2) / 2^32 = 1 - U (in float to 24 bits however small),
+   through log1p(-V) = log(W) - ((W - 1) + V) / W with W = 1 - V rounded. The smallest E is about 2^-33, the
+   largest 22.9.
 
    Every path (AVX-512, AVX2, portable) makes the same float operations in the same order, FMAs written out, so
    the values are equal bit for bit whichever this CPU runs: a seeded request samples the same tokens on every
