@@ -203,7 +203,8 @@ class Sampler:
                      ps: Sequence[SamplingParams]) -> torch.Tensor:
         """Each sampled row's token, the argmax of its race keys: ``x - T log q`` for a row with no cut (the
         offsets :meth:`race` hands a screened head, the same float32 products), ``x / T - log q`` over the tokens
-        a top-k or top-p cut keeps (:func:`_kept`) for a row with one (the first of equal keys by index)."""
+        a top-k or top-p cut keeps (:func:`_kept`) for a row with one (the first of equal keys by index; the greedy
+        token where logits / T overflow, the limit as T -> 0)."""
         vocab = x.shape[1]
         cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
         if not cut:
@@ -214,6 +215,9 @@ class Sampler:
             out[plain] = _argmax(x[plain] + log_q[plain] * -temps[plain, None])
         for j in cut:
             p, z = ps[j], x[j] / temps[j]
+            if not bool(torch.isfinite(z.max())):  # a temperature so small that logits / T overflow: its limit
+                out[j] = _argmax(x[j][None])[0]
+                continue
             kept = _kept(z, p.top_k if 0 < p.top_k < vocab else 0, p.top_p)
             if kept.dtype == torch.bool:
                 out[j] = _argmax(torch.where(kept, z - log_q[j], float("-inf"))[None])[0]

@@ -99,3 +99,18 @@ def test_cut_samples_the_renormalised_softmax(vocab, top_k, top_p):
         counts = torch.cat([counts[big], counts[~big].sum()[None]])
         probs = torch.cat([probs[big], probs[~big].sum()[None]])
     assert _chi_square_ok(counts, probs)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-30])
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.5), (5, 1.0), (5, 0.5)])
+def test_a_temperature_whose_logits_overflow_takes_the_greedy_token(temperature, top_k, top_p):
+    """A positive temperature so small that logits / T overflow float32 (or round to 0: the API accepts any
+    T > 0) samples its limit, the argmax, with a cut as without one; masked (-inf) logits go with the rest."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 300, generator=g)
+    logits[1, 10:200] = float("-inf")
+    sampler = Sampler("cpu", seed=0)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * 3
+    assert sampler.sample(logits, params, [0, 1, 2]) == logits.argmax(dim=1).tolist()
+    masked = sampler.sample(logits[1:2], [SamplingParams(temperature=1.0, top_p=0.9)], [0])[0]
+    assert not 10 <= masked < 200
