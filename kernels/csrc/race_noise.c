@@ -37,6 +37,21 @@
 #define LN2_LO -2.12194440e-4f
 #define TWO_M32 2.3283064365386963e-10f /* 2^-32 */
 
+/* p = P(f), Horner's rule with FMAs, at any width: FMA(a, b, c) = a b + c, SET(x) x in every lane (the same
+   operations in the same order in every path) */
+#define LOG_HORNER(FMA, SET, f, p)           \
+    do {                                     \
+        p = FMA(SET(LOG_P0), f, SET(LOG_P1)); \
+        p = FMA(p, f, SET(LOG_P2));          \
+        p = FMA(p, f, SET(LOG_P3));          \
+        p = FMA(p, f, SET(LOG_P4));          \
+        p = FMA(p, f, SET(LOG_P5));          \
+        p = FMA(p, f, SET(LOG_P6));          \
+        p = FMA(p, f, SET(LOG_P7));          \
+        p = FMA(p, f, SET(LOG_P8));          \
+    } while (0)
+#define SCALAR(x) (x)
+
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
     x *= 0x21f0aaadu;
@@ -55,14 +70,8 @@ static inline float log_scalar(float a) {
     memcpy(&m, &mb, 4);
     if (m > 1.41421356f) m *= 0.5f, e += 1;
     const float f = m - 1.0f, z = f * f, ef = (float)e;
-    float p = fmaf(LOG_P0, f, LOG_P1);
-    p = fmaf(p, f, LOG_P2);
-    p = fmaf(p, f, LOG_P3);
-    p = fmaf(p, f, LOG_P4);
-    p = fmaf(p, f, LOG_P5);
-    p = fmaf(p, f, LOG_P6);
-    p = fmaf(p, f, LOG_P7);
-    p = fmaf(p, f, LOG_P8);
+    float p;
+    LOG_HORNER(fmaf, SCALAR, f, p);
     float y = (f * z) * p;
     y = fmaf(ef, LN2_LO, y);
     y = fmaf(z, -0.5f, y);
@@ -90,14 +99,8 @@ static inline __m512 log512(__m512 a) {
     m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
     e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
     const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f)), z = _mm512_mul_ps(f, f), ef = _mm512_cvtepi32_ps(e);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(LOG_P0), f, _mm512_set1_ps(LOG_P1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(LOG_P2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(LOG_P3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(LOG_P4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(LOG_P5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(LOG_P6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(LOG_P7));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(LOG_P8));
+    __m512 p;
+    LOG_HORNER(_mm512_fmadd_ps, _mm512_set1_ps, f, p);
     __m512 y = _mm512_mul_ps(_mm512_mul_ps(f, z), p);
     y = _mm512_fmadd_ps(ef, _mm512_set1_ps(LN2_LO), y);
     y = _mm512_fmadd_ps(z, _mm512_set1_ps(-0.5f), y);
@@ -137,14 +140,8 @@ static inline __m256 log256(__m256 a) {
     m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
     e = _mm256_sub_epi32(e, _mm256_castps_si256(big)); /* big lanes are -1 */
     const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f)), z = _mm256_mul_ps(f, f), ef = _mm256_cvtepi32_ps(e);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(LOG_P0), f, _mm256_set1_ps(LOG_P1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(LOG_P2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(LOG_P3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(LOG_P4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(LOG_P5));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(LOG_P6));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(LOG_P7));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(LOG_P8));
+    __m256 p;
+    LOG_HORNER(_mm256_fmadd_ps, _mm256_set1_ps, f, p);
     __m256 y = _mm256_mul_ps(_mm256_mul_ps(f, z), p);
     y = _mm256_fmadd_ps(ef, _mm256_set1_ps(LN2_LO), y);
     y = _mm256_fmadd_ps(z, _mm256_set1_ps(-0.5f), y);
