@@ -466,7 +466,8 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
         _Pragma("GCC unroll 3") for (int c = 0; c < PC; c++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
                 if (NS == 2) a[c][0][r] = _mm512_add_epi32(a[c][0][r], a[c][1][r]);
-                if (c == 2) /* pieces: the codes times q2 / 128 + q3 / 16384, in units of 1 / 16384 */ a[1][0][r] = _mm512_add_epi32(_mm512_slli_epi32(a[1][0][r], 7), a[2][0][r]);
+                if (c == 2) /* pieces: the codes times q2 / 128 + q3 / 16384, in units of 1 / 16384 */
+                    a[1][0][r] = _mm512_add_epi32(_mm512_slli_epi32(a[1][0][r], 7), a[2][0][r]);
             }
         const int64_t gs = (int64_t)g * 2 * PANEL;
         const __m512 sc = H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sz + gs)))
