@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import packed_gemm, plan_cache
+from kernels import packed_gemm, plan_cache, stream_prefetch
 
 # M upper bounds of the buckets (decode-sized, mid, large, above: prefill-sized) and the M timed for each;
 # a probe over MAX_PROBE_FLOP (the tied LM head at prefill sizes, never run: logits are per sequence) takes
@@ -241,6 +241,7 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding
     weight_oi = weight_oi.contiguous()
     if packed_only:
         assert packed_gemm.available() and weight_oi.device.type == "cpu"
+        stream_prefetch.ensure(weight_oi.dtype)
         return Linear(_stored(weight_oi, "pk", kept=True), bias, "pk", ("pk",) * (len(BUCKET_LIMITS) + 1),
                       int(weight_oi.shape[0]))
     if weight_oi.device.type != "cpu" or not autotune:
@@ -248,6 +249,7 @@ def plan(weight_oi: torch.Tensor, bias: torch.Tensor | None = None, *, embedding
     layouts = ("oi",) if embedding else ("oi", "io")
     if weight_oi.dtype in packed_gemm.DTYPES and packed_gemm.available():
         layouts += ("pk",)
+        stream_prefetch.ensure(weight_oi.dtype)  # before the forms are timed: they run at its distances
     if weight_oi.dtype == torch.bfloat16 and weight_oi.shape[1] % 2 == 0 and packed_gemm.has_bf16_dot():
         layouts += ("pd",)  # bfloat16 rows x bfloat16 panels with the CPU's bfloat16 dot product
     key = (tuple(weight_oi.shape), weight_oi.dtype, layouts, torch.get_num_threads())

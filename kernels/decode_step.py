@@ -36,7 +36,7 @@ import functools
 import numpy as np
 import torch
 
-from kernels import cpu_attention, cpu_gemm, head_screen, kv_quant, native, packed_gemm
+from kernels import cpu_attention, cpu_gemm, head_screen, kv_quant, native, packed_gemm, stream_prefetch
 
 SOURCES = ("decode_step.c", "packed_gemm.c", "quant_gemm.c", "decode_attention.c", "prefill_attention.c",
            "rms_norm.c", "rope.c", "activation.c", "argmax.c")
@@ -86,6 +86,7 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     lib = native.build("decode_step", SOURCES, defines)
     if lib is None:
         return None
+    stream_prefetch.register(lib)  # its products' prefetch distances, as the packed GEMM's
     lib.decode_step.argtypes = [ctypes.POINTER(_Args)]
     lib.decode_step.restype = _I
     lib.decode_window.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Embed), _I64, _I, _I, _P, _I64, _P, _P,
@@ -260,6 +261,8 @@ class DecodeStep:
             if layer.input_norm.dtype != model.dtype or layer.post_norm.dtype != model.dtype:
                 return None
         lib = load()
+        if lib is not None:
+            stream_prefetch.ensure(model.dtype)  # measured once per machine (kernels/stream_prefetch.py)
         return None if lib is None else DecodeStep(model, kv_caches, lib)
 
     def applies(self, kv_caches, meta, num_tokens: int) -> bool:

@@ -30,11 +30,24 @@
 #define SPLIT_K(MR) ((MR) == 1 ? 4 : (MR) <= 3 ? 2 : 1)
 #endif
 #define X_BLOCK_BYTES (192 * 1024) /* see gemm_share */
-/* How far ahead of its loads a decode-sized tile prefetches, in the weight's own stream: by Little's law, enough
-   lines in flight to cover a DRAM latency of ~200 ns at ~20 GB/s per core (64 lines). Prefetching the whole next
-   panel instead (36-98 KB ahead on SmolLM2's shapes) made a decode step up to 6% slower at batch 1 and 13% at
-   batch 4-8 (docs/BENCHMARKS.md, session 15). */
-#define PREFETCH_AHEAD 4096
+/* How far ahead of its loads a decode-sized tile (one tile of `rows` rows a panel) prefetches in the weight's
+   own stream, in bytes, per panel element (float32, bfloat16) and row count: by Little's law the lines in
+   flight that cover the memory latency at the rate one core consumes the weight, and both are facts about the
+   machine (and a VM's neighbours): 4 KB suited the machine it was first tuned on (~200 ns at ~20 GB/s a core),
+   while on a Zen 4 VM 16 KB read one row's stream 1.17x faster and eight rows' 0.95x as fast. So
+   kernels/stream_prefetch.py measures the distances once per machine and sets them here; 4 KB until then. 0: no
+   software prefetch. Prefetching the whole next panel instead (36-98 KB ahead on SmolLM2's shapes) made a
+   decode step up to 6% slower at batch 1 and 13% at batch 4-8 (docs/BENCHMARKS.md, session 15). */
+#define AHEAD_ROWS 12
+static int64_t prefetch_ahead[2][AHEAD_ROWS + 1] = {{[0 ... AHEAD_ROWS] = 4096}, {[0 ... AHEAD_ROWS] = 4096}};
+
+void set_prefetch_ahead(int bf16, int rows, int64_t bytes) {
+    if (rows >= 0 && rows <= AHEAD_ROWS && bytes >= 0) prefetch_ahead[bf16 != 0][rows] = bytes;
+}
+
+int64_t get_prefetch_ahead(int bf16, int rows) {
+    return rows >= 0 && rows <= AHEAD_ROWS ? prefetch_ahead[bf16 != 0][rows] : -1;
+}
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
    call site (always_inline), so the row loops unroll and the accumulators live in registers. */
@@ -182,7 +195,7 @@ int gemm_has_avx512(void) { return TILE_ROWS == 12; }
    (about X_BLOCK_BYTES) stay in L2 while every panel of the thread's share passes over them; without blocks,
    each panel re-read all M rows of x from L3 (for a 2048 x 576 prefill chunk, 4.7 MB per 16 output columns).
    Where a panel has several tiles, the first prefetches the next panel while the others reuse this one from
-   cache; a panel of one tile (decode sizes) prefetches PREFETCH_AHEAD bytes ahead of its own loads, which near
+   cache; a panel of one tile (decode sizes) prefetches prefetch_ahead bytes ahead of its own loads, which near
    its end runs into the next panel (panels are contiguous; a prefetch past the weight's end does not fault). */
 static int row_block(int tile_rows, int x_bytes, int M, int K) {
     int mb = (int)(X_BLOCK_BYTES / ((int64_t)K * x_bytes)) / tile_rows * tile_rows;
@@ -213,12 +226,13 @@ static void gemm_share(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, in
     const int64_t panel_bytes = (int64_t)K * PANEL * w_bytes;
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, one_tile = rows <= tile_rows;
+        const int64_t ahead = one_tile ? prefetch_ahead[w_bytes == 2][rows <= AHEAD_ROWS ? rows : AHEAD_ROWS] : 0;
         /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
         #pragma omp for schedule(static) nowait
         for (int p = 0; p < np; p++) {
             const char* w = (const char*)wp + (int64_t)p * panel_bytes;
             const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-            const char* next = one_tile ? w + PREFETCH_AHEAD : p + 1 < np ? w + panel_bytes : 0;
+            const char* next = one_tile ? (ahead ? w + ahead : 0) : p + 1 < np ? w + panel_bytes : 0;
             panel_tiles(tile, tile_rows, x_bytes, y_bytes, x, xs, w, next, K, b, y, ys, r0, rows, n0, nc, accumulate);
         }
     }

@@ -1,0 +1,147 @@
+"""How far ahead a decode-sized packed product prefetches its weight's stream, measured once per machine.
+
+Why: at one to a few rows a product reads each weight line once and does little arithmetic per line, so its
+speed is set by how many lines are in flight: the software prefetch in ``csrc/packed_gemm.c`` asks for the line
+a fixed distance ahead. The right distance is the rate one core consumes the weight times the memory latency,
+both facts about the machine (and, on a VM, its neighbours): 4 KB, tuned by Little's law on an early machine,
+left one row's stream 15% short on a Zen 4 VM where 16 KB was right, while at eight rows, where the arithmetic
+paces the stream, 16 KB was slower than 4 KB. So the distance per panel element width and row count is timed
+here, side by side, when a model first needs it, and kept in this machine's plan file
+(:mod:`kernels.plan_cache`). A prefetch is only a hint: no distance changes a result.
+
+Every library built from ``packed_gemm.c`` (the packed GEMM's own and the fused decode step's) has the table;
+:func:`register` applies the chosen distances to a library when it is built, and :func:`ensure` measures (or
+reads) them and applies them to every library registered so far.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import statistics
+import threading
+import time
+
+import torch
+
+from kernels import hugepages, plan_cache
+
+CANDIDATES = (0, 2048, 4096, 8192, 16384)  # bytes ahead (0: none); 4096 is the kernels' default
+DEFAULT = 4096
+PROBE_ROWS = (1, 2, 4, 8)  # row counts timed; the others take the nearest timed one at or above them
+MAX_ROWS = 12  # packed_gemm.c's AHEAD_ROWS
+PROBE_BYTES = 96 << 20  # the weights one timing pass reads: past a VM's L3, so the stream comes from memory
+ROUNDS = 12
+MARGIN = 0.01  # a distance replaces the default only where it is this much faster (medians of paired ratios)
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_libs: list[ctypes.CDLL] = []
+_tables: dict[bool, list[int]] = {}  # bf16 -> bytes ahead for rows 0..MAX_ROWS
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare the table's setter and getter on a library built from packed_gemm.c."""
+    lib.set_prefetch_ahead.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    lib.get_prefetch_ahead.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.get_prefetch_ahead.restype = ctypes.c_int64
+
+
+def register(lib: ctypes.CDLL) -> None:
+    """Give ``lib`` the distances chosen so far, and every later choice."""
+    bind(lib)
+    with _lock:
+        _libs.append(lib)
+        for bf16, table in _tables.items():
+            _apply(lib, bf16, table)
+
+
+def ensure(dtype: torch.dtype, threads: int | None = None) -> list[int] | None:
+    """The distances for ``dtype``'s panels (float32 or bfloat16) at the current thread count: read from this
+    machine's plan file or measured now, then set in every registered library. None where the packed GEMM
+    does not run here."""
+    from kernels import packed_gemm
+
+    lib = packed_gemm._load()
+    if lib is None or dtype not in packed_gemm.DTYPES:
+        return None
+    bf16 = dtype == torch.bfloat16
+    key = (str(dtype).removeprefix("torch."), threads or torch.get_num_threads())
+    with _lock:
+        if bf16 in _tables:
+            return _tables[bf16]
+        kept = plan_cache.lookup("stream_prefetch", key)
+        table = kept if _valid(kept) else _table(measure(lib, bf16))
+        if not _valid(kept):
+            plan_cache.store("stream_prefetch", key, table)
+            log.info("decode tiles' prefetch distance measured for %s panels: %s bytes ahead by rows", key[0],
+                     table)
+        _tables[bf16] = table
+        for each in _libs:
+            _apply(each, bf16, table)
+    return table
+
+
+def _valid(kept) -> bool:
+    return isinstance(kept, list) and len(kept) == MAX_ROWS + 1 and all(isinstance(b, int) and b >= 0 for b in kept)
+
+
+def _apply(lib: ctypes.CDLL, bf16: bool, table: list[int]) -> None:
+    for rows, ahead in enumerate(table):
+        lib.set_prefetch_ahead(int(bf16), rows, ahead)
+
+
+def _table(best: dict[int, int]) -> list[int]:
+    """Bytes ahead for rows 0..MAX_ROWS from the timed row counts: each takes the nearest timed count at or
+    above it (the largest beyond them)."""
+    table = []
+    for rows in range(MAX_ROWS + 1):
+        timed = [m for m in PROBE_ROWS if m >= rows] or [PROBE_ROWS[-1]]
+        table.append(best[timed[0]])
+    return table
+
+
+def measure(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS) -> dict[int, int]:
+    """The best distance per row count in PROBE_ROWS: each candidate's pass over PROBE_BYTES of panels timed
+    against the default's in the same round (the order rotated each round), the median ratio per candidate;
+    the fastest wins where it beats the default by MARGIN."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    n, k = 2048, 1024
+    one = n * k * (2 if bf16 else 4)
+    panels = hugepages.zeros((PROBE_BYTES // one, n // 16, k, 16), dtype)
+    panels.fill_(0.5)
+    x = torch.full((max(PROBE_ROWS), k), 0.25)
+    y = torch.empty(max(PROBE_ROWS), n)
+    product = lib.gemm_bf16 if bf16 else lib.gemm
+    saved = [lib.get_prefetch_ahead(int(bf16), r) for r in range(MAX_ROWS + 1)]
+
+    def one_pass(rows: int, ahead: int) -> float:
+        lib.set_prefetch_ahead(int(bf16), rows, ahead)
+        t0 = time.perf_counter()
+        for w in panels:
+            product(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n, k, 0)
+        return time.perf_counter() - t0
+
+    best = {}
+    try:
+        for rows in PROBE_ROWS:
+            one_pass(rows, DEFAULT)  # warm
+            ratios: dict[int, list[float]] = {c: [] for c in CANDIDATES}
+            for r in range(rounds):
+                order = CANDIDATES[r % len(CANDIDATES):] + CANDIDATES[:r % len(CANDIDATES)]
+                times = {c: one_pass(rows, c) for c in order}
+                for c in CANDIDATES:
+                    ratios[c].append(times[c] / times[DEFAULT])
+            medians = {c: statistics.median(v) for c, v in ratios.items()}
+            fastest = min(medians, key=medians.get)
+            best[rows] = fastest if medians[fastest] < 1.0 - MARGIN else DEFAULT
+    finally:
+        for r, ahead in enumerate(saved):
+            lib.set_prefetch_ahead(int(bf16), r, ahead)
+    return best
+
+
+def chosen() -> dict[str, list[int]]:
+    """The distances chosen so far, for logs and benchmark records: ``{"float32"|"bfloat16": [bytes by rows]}``."""
+    with _lock:
+        return {("bfloat16" if bf16 else "float32"): list(t) for bf16, t in _tables.items()}

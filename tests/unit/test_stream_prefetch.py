@@ -1,0 +1,114 @@
+"""The decode tiles' prefetch distance (kernels/stream_prefetch.py, packed_gemm.c's table): no distance changes a
+product, every built library takes the chosen distances, and the choice is measured once per machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import packed_gemm, plan_cache, stream_prefetch
+
+needs_packed = pytest.mark.skipif(not packed_gemm.available(), reason="the packed GEMM needs AVX2 + FMA")
+
+
+def _builds():
+    """The library as built here, and its AVX2 build where this CPU also has AVX-512 (what an AVX2-only CPU
+    runs; its tiles are at most 6 rows, so more rows leave the one-tile path)."""
+    libs = [packed_gemm._load()]
+    if libs[0].gemm_has_avx512():
+        libs.append(packed_gemm.build({"INFERQ_NO_AVX512": 1}))
+    return libs
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No distances chosen yet in this process, no libraries registered but the ones the test registers, and
+    every library's table back to its defaults afterwards."""
+    monkeypatch.setattr(stream_prefetch, "_tables", {})
+    monkeypatch.setattr(stream_prefetch, "_libs", [])
+    yield
+    for lib in [*_builds(), *stream_prefetch._libs]:
+        for bf16 in (0, 1):
+            for rows in range(stream_prefetch.MAX_ROWS + 1):
+                lib.set_prefetch_ahead(bf16, rows, stream_prefetch.DEFAULT)
+
+
+@needs_packed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_distance_changes_a_product(dtype, fresh):
+    """A prefetch is a hint: with none, one line, the default or a megabyte ahead (past the weight's end: a
+    prefetch does not fault) every decode-sized product is the same bits, on every path this CPU runs."""
+    g = torch.Generator().manual_seed(3)
+    for lib in _builds():
+        fn = lib.gemm if dtype == torch.float32 else lib.gemm_bf16
+        for m, n, k in [(1, 40, 37), (2, 48, 576), (4, 33, 64), (8, 100, 29), (12, 64, 130)]:
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+            packed = packed_gemm.pack(w)
+            outs = []
+            for ahead in (0, 64, 4096, 1 << 20):
+                lib.set_prefetch_ahead(int(dtype == torch.bfloat16), m, ahead)
+                y = torch.empty(m, n)
+                fn(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, n, k, 0)
+                outs.append(y)
+            torch.testing.assert_close(outs[0], F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
+            for y in outs[1:]:
+                assert torch.equal(y, outs[0])
+
+
+@needs_packed
+def test_the_table_takes_what_it_is_given_and_no_more(fresh):
+    lib = packed_gemm._load()
+    lib.set_prefetch_ahead(1, 3, 8192)
+    assert lib.get_prefetch_ahead(1, 3) == 8192 and lib.get_prefetch_ahead(0, 3) == stream_prefetch.DEFAULT
+    lib.set_prefetch_ahead(1, 3, -5)  # ignored
+    lib.set_prefetch_ahead(0, stream_prefetch.MAX_ROWS + 1, 1)  # no such row count: ignored
+    assert lib.get_prefetch_ahead(1, 3) == 8192
+    assert lib.get_prefetch_ahead(0, stream_prefetch.MAX_ROWS + 1) == -1
+
+
+def test_timed_row_counts_cover_every_row_count():
+    """Each row count takes the distance of the nearest timed count at or above it; beyond them, the largest."""
+    best = {1: 0, 2: 8192, 4: 2048, 8: 4096}
+    table = stream_prefetch._table(best)
+    assert len(table) == stream_prefetch.MAX_ROWS + 1
+    assert table[:2] == [0, 0] and table[2] == 8192 and table[3:5] == [2048, 2048]
+    assert table[5:9] == [4096] * 4 and table[12] == 4096
+
+
+@needs_packed
+def test_measured_once_then_read_from_the_plan_file(fresh, tmp_path, monkeypatch):
+    """ensure() measures where this machine's plan file has no distances, stores them, sets them in every
+    library registered before and after; a new process (nothing in memory) reads the file instead."""
+    monkeypatch.setattr(plan_cache, "_active", None)
+    monkeypatch.setattr(stream_prefetch, "PROBE_BYTES", 8 << 20)  # a quick, small measurement
+    monkeypatch.setattr(stream_prefetch, "ROUNDS", 2)
+    plan_cache.use(tmp_path)
+    try:
+        measured = []
+        real = stream_prefetch.measure
+
+        def counted(lib, bf16, rounds=2):
+            best = real(lib, bf16, rounds=rounds)
+            measured.append(best)
+            return {**best, 1: 16384}  # a choice the defaults do not make, to see it arrive everywhere
+
+        monkeypatch.setattr(stream_prefetch, "measure", counted)
+        stream_prefetch.register(packed_gemm._load())  # (built before this test's empty registry)
+        early = packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})  # registered before the choice (bind does it)
+        table = stream_prefetch.ensure(torch.bfloat16)
+        assert len(measured) == 1 and set(measured[0]) == set(stream_prefetch.PROBE_ROWS)
+        assert all(v in stream_prefetch.CANDIDATES for v in measured[0].values())
+        assert table[1] == 16384 and stream_prefetch.ensure(torch.bfloat16) is table and len(measured) == 1
+        late = packed_gemm.build({"INFERQ_NO_AVX512": 1})
+        for lib in (early, late, packed_gemm._load()):
+            assert [lib.get_prefetch_ahead(1, r) for r in range(len(table))] == table
+            assert lib.get_prefetch_ahead(0, 1) == stream_prefetch.DEFAULT  # float32's not chosen yet
+        monkeypatch.setattr(stream_prefetch, "_tables", {})
+        plan_cache.use(None)
+        plan_cache.use(tmp_path)
+        assert stream_prefetch.ensure(torch.bfloat16) == table and len(measured) == 1
+        assert stream_prefetch.chosen() == {"bfloat16": table}
+    finally:
+        plan_cache.use(None)
