@@ -4,10 +4,11 @@ Why: at one to a few rows a product reads each weight line once and does little 
 speed is set by how many lines are in flight: the software prefetch in ``csrc/packed_gemm.c`` asks for the line
 a fixed distance ahead. The right distance is the rate one core consumes the weight times the memory latency,
 both facts about the machine (and, on a VM, its neighbours): 4 KB, tuned by Little's law on an early machine,
-left one row's stream 15% short on a Zen 4 VM where 16 KB was right, while at eight rows, where the arithmetic
-paces the stream, 16 KB was slower than 4 KB. So the distance per panel element width and row count is timed
-here, side by side, when a model first needs it, and kept in this machine's plan file
-(:mod:`kernels.plan_cache`). A prefetch is only a hint: no distance changes a result.
+held one bfloat16 row's stream to 0.8 of its speed on a Zen 4 VM, where the hardware's streamer alone did
+best, while four and eight rows (the arithmetic pacing the stream) ran 1.35-1.6x slower with no software
+prefetch. So the distance per panel element width and row count is timed here, side by side, when a model
+first needs it, and kept in this machine's plan file (:mod:`kernels.plan_cache`). A prefetch is only a hint:
+no distance changes a result.
 
 Every library built from ``packed_gemm.c`` (the packed GEMM's own and the fused decode step's) has the table;
 :func:`register` applies the chosen distances to a library when it is built, and :func:`ensure` measures (or
@@ -70,9 +71,9 @@ def ensure(dtype: torch.dtype, threads: int | None = None) -> list[int] | None:
     with _lock:
         if bf16 in _tables:
             return _tables[bf16]
-        kept = plan_cache.lookup("stream_prefetch", key)
-        table = kept if _valid(kept) else _table(measure(lib, bf16))
-        if not _valid(kept):
+        table = plan_cache.lookup("stream_prefetch", key)
+        if not _valid(table):
+            table = _table(measure(lib, bf16))
             plan_cache.store("stream_prefetch", key, table)
             log.info("decode tiles' prefetch distance measured for %s panels: %s bytes ahead by rows", key[0],
                      table)

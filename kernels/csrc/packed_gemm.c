@@ -34,9 +34,9 @@
    own stream, in bytes, per panel element (float32, bfloat16) and row count: by Little's law the lines in
    flight that cover the memory latency at the rate one core consumes the weight, and both are facts about the
    machine (and a VM's neighbours): 4 KB suited the machine it was first tuned on (~200 ns at ~20 GB/s a core),
-   while on a Zen 4 VM 16 KB read one row's stream 1.17x faster and eight rows' 0.95x as fast. So
-   kernels/stream_prefetch.py measures the distances once per machine and sets them here; 4 KB until then. 0: no
-   software prefetch. Prefetching the whole next panel instead (36-98 KB ahead on SmolLM2's shapes) made a
+   while on a Zen 4 VM one bfloat16 row read its stream 1.2-1.3x faster with no software prefetch at all and
+   four or eight rows 1.35-1.6x slower without it. So kernels/stream_prefetch.py measures the distances once
+   per machine and sets them here; 4 KB until then. 0: no software prefetch. Prefetching the whole next panel instead (36-98 KB ahead on SmolLM2's shapes) made a
    decode step up to 6% slower at batch 1 and 13% at batch 4-8 (docs/BENCHMARKS.md, session 15). */
 #define AHEAD_ROWS 12
 static int64_t prefetch_ahead[2][AHEAD_ROWS + 1] = {{[0 ... AHEAD_ROWS] = 4096}, {[0 ... AHEAD_ROWS] = 4096}};

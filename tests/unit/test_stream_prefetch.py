@@ -21,17 +21,33 @@ def _builds():
     return libs
 
 
+def _tables_of(lib) -> list[list[int]]:
+    return [[lib.get_prefetch_ahead(bf16, r) for r in range(stream_prefetch.MAX_ROWS + 1)] for bf16 in (0, 1)]
+
+
+def _set_tables(lib, tables: list[list[int]]) -> None:
+    for bf16, table in enumerate(tables):
+        for rows, ahead in enumerate(table):
+            lib.set_prefetch_ahead(bf16, rows, ahead)
+
+
 @pytest.fixture
 def fresh(monkeypatch):
-    """No distances chosen yet in this process, no libraries registered but the ones the test registers, and
-    every library's table back to its defaults afterwards."""
+    """No distances chosen yet in this process and every library's table at its defaults (a model loaded by an
+    earlier test may have set them), no libraries registered but the ones the test registers; afterwards every
+    library's table as it was."""
+    libs = [*_builds(), *stream_prefetch._libs] if packed_gemm.available() else []
+    saved = [_tables_of(lib) for lib in libs]
+    defaults = [[stream_prefetch.DEFAULT] * (stream_prefetch.MAX_ROWS + 1)] * 2
+    for lib in libs:
+        _set_tables(lib, defaults)
     monkeypatch.setattr(stream_prefetch, "_tables", {})
     monkeypatch.setattr(stream_prefetch, "_libs", [])
     yield
-    for lib in [*_builds(), *stream_prefetch._libs]:
-        for bf16 in (0, 1):
-            for rows in range(stream_prefetch.MAX_ROWS + 1):
-                lib.set_prefetch_ahead(bf16, rows, stream_prefetch.DEFAULT)
+    for lib in stream_prefetch._libs:  # built by the test
+        _set_tables(lib, defaults)
+    for lib, tables in zip(libs, saved, strict=True):
+        _set_tables(lib, tables)
 
 
 @needs_packed
