@@ -167,6 +167,10 @@ class Settings(BaseSettings):
     consumer_group: str = "workers"
     worker_name: str | None = None
     claim_idle_ms: int = Field(30_000, description="A pending message idle this long is reclaimed from its worker.")
+    max_job_attempts: int = Field(
+        6, ge=1, description="A job claimed again after this many attempts, each of which ended without a result "
+        "(its worker crashed, was killed or stopped, or lost the database), fails with that reason instead of "
+        "starting: one input that takes the engine down must not take down worker after worker.")
     heartbeat_seconds: float = 5.0
     reconcile_interval_seconds: float = 15.0
     shutdown_grace_seconds: float = 30.0

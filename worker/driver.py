@@ -117,6 +117,11 @@ class EngineDriver:
         self.metrics.queue_time.labels(inf.tier).observe(max(0.0, now_unix - inf.enqueued_at))
         if attempt > 1:
             inf.log.info("job restarted", reclaimed=m.reclaimed)
+        if attempt > self.settings.max_job_attempts:  # every earlier attempt lost its worker: do not risk another
+            reason = (f"not started again: each of its {attempt - 1} attempts ended without a result (the worker "
+                      "running it crashed, was killed or stopped, or lost the database)")
+            inf.log.error("job failed after too many lost attempts", attempts=attempt - 1)
+            return Final(inf, jobs.Outcome(status="failed", finish_reason="error", error=reason), time.monotonic())
         try:
             ids = self.engine.encode(**job.prompt_input())
             deadline = None

@@ -8,13 +8,15 @@
   refused (never run with a shared empty one), and a ledger row with cached prompt tokens costs exactly
   what the price version says;
 * a PostgreSQL outage longer than ``db_retry_max_seconds``: the worker abandons its jobs without
-  acknowledging them and they are reclaimed once the database is back: one result, one ledger row.
+  acknowledging them and they are reclaimed once the database is back: one result, one ledger row;
+* a job claimed after ``max_job_attempts`` lost attempts fails with the reason instead of starting.
 
 The worker's PostgreSQL connections go through a TCP proxy that the outage test cuts."""
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import msgpack
@@ -172,4 +174,27 @@ def test_outage_longer_than_db_retry_max_seconds_abandons_then_reclaims(svc):
         _, ledger = svc.one_result(job_id)  # one row: the final attempt's
         assert svc.job(job_id).worker == svc.main.name and ledger.completion_tokens > 0
     wait_for(lambda: _drained(svc), 10, what="the reclaimed messages acknowledged")
+    assert svc.main.alive()
+
+
+def test_a_job_whose_attempts_all_lost_their_worker_fails_instead_of_starting(svc):
+    """A job claimed after ``max_job_attempts`` attempts that each ended without a result (an input that crashes
+    the engine would go on taking down worker after worker) fails with the reason instead of starting; one
+    attempt fewer still runs. The worker is held (SIGSTOP) while the rows are set as a crash loop leaves them."""
+    limit = svc.settings.max_job_attempts
+    svc.main.proc.send_signal(signal.SIGSTOP)
+    try:
+        doomed = svc.submit(max_tokens=5)
+        last_chance = svc.submit(max_tokens=5)
+        with svc.db() as s:
+            s.execute(update(Job).where(Job.id == doomed).values(attempts=limit))
+            s.execute(update(Job).where(Job.id == last_chance).values(attempts=limit - 1))
+            s.commit()
+    finally:
+        svc.main.proc.send_signal(signal.SIGCONT)
+    assert svc.wait_status([doomed, last_chance]) == {doomed: "failed", last_chance: "succeeded"}
+    failed = svc.job(doomed)
+    assert failed.attempts == limit + 1 and f"each of its {limit} attempts" in (failed.error or "")
+    assert svc.job(last_chance).attempts == limit
+    wait_for(lambda: _drained(svc), 30, what="both messages acknowledged")
     assert svc.main.alive()
