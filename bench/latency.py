@@ -669,8 +669,10 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                 streams[0]["vs_vllm_cpu"] = streams[0]["decode_tok_s"] / streams[-1]["decode_tok_s"]
             except Exception as exc:  # noqa: BLE001 - why vLLM could not run is the result
                 log(f"vllm-cpu skipped: {str(exc)[-800:]}")
+        from kernels import stream_prefetch
+
         result["dtypes"][dtype] = {"breakdown": rows, "streams": streams, "read_gbs": read_gbs,
-                                   "weight_streaming": streaming}
+                                   "weight_streaming": streaming, "prefetch_ahead": stream_prefetch.chosen()}
         log(report_dtype(dtype, result["dtypes"][dtype], read_gbs))
     result["targets"] = _targets(result)
     result["elapsed_s"] = time.perf_counter() - t_start
@@ -781,6 +783,8 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
         f"per step; read bandwidth just before: {bandwidth:.1f} GB/s",
         common.table(rows, [("part", "part"), *[(f"b{b}", f"batch {b}") for b in BATCHES]]),
         f"batch 1, projections' read rate (GB/s): {proj}",
+        *[f"decode tiles' prefetch distance, {kind} panels (bytes ahead by rows 0-12; kernels/stream_prefetch.py): "
+          f"{table}" for kind, table in d.get("prefetch_ahead", {}).items()],
         common.table(streams, [("engine", "engine"), ("requests", "requests"), ("output_tokens", "output tokens"),
                                ("decode_tok_s", "decode tok/s"), ("tpot_p50_ms", "TPOT p50 ms"),
                                ("tpot_p95_ms", "TPOT p95 ms"), ("ttft_p50_ms", "TTFT p50 ms"),

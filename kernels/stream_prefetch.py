@@ -57,17 +57,17 @@ def register(lib: ctypes.CDLL) -> None:
             _apply(lib, bf16, table)
 
 
-def ensure(dtype: torch.dtype, threads: int | None = None) -> list[int] | None:
+def ensure(dtype: torch.dtype) -> list[int] | None:
     """The distances for ``dtype``'s panels (float32 or bfloat16) at the current thread count: read from this
-    machine's plan file or measured now, then set in every registered library. None where the packed GEMM
-    does not run here."""
+    machine's plan file or measured now, then set in every registered library (once per process). None where
+    the packed GEMM does not run here."""
     from kernels import packed_gemm
 
     lib = packed_gemm._load()
     if lib is None or dtype not in packed_gemm.DTYPES:
         return None
     bf16 = dtype == torch.bfloat16
-    key = (str(dtype).removeprefix("torch."), threads or torch.get_num_threads())
+    key = (str(dtype).removeprefix("torch."), torch.get_num_threads())
     with _lock:
         if bf16 in _tables:
             return _tables[bf16]
