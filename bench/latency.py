@@ -48,6 +48,7 @@ Targets (issue 21): inferq >= 1.0x llama.cpp at the same dtype; >= 85% of the me
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -126,10 +127,16 @@ def _packed_calls(model, lib) -> list:
     return calls
 
 
+def _run_calls(calls, m: int) -> None:
+    for call in calls:
+        call(m)
+
+
 def weight_streaming(model, repeats: int = 5) -> dict | None:
     """The packed kernel over every weight of a step at M = 1, 2, 4, 8, as built and with the
-    ``INFERQ_NO_SPLIT_K`` option (its before), against ``torch.sum`` over a buffer of the same bytes, the three
-    alternated ``repeats`` times so the machine's drifting bandwidth hits each alike; best and median GB/s.
+    ``INFERQ_NO_SPLIT_K`` option (its before), against ``torch.sum`` over a buffer of the same bytes, all
+    alternated ``repeats`` times in a rotating order so the machine's drifting bandwidth hits each alike; best
+    and median GB/s.
     None where the packed kernel does not run here (no AVX2 + FMA or no compiler)."""
 
     from kernels import packed_gemm
@@ -143,22 +150,19 @@ def weight_streaming(model, repeats: int = 5) -> dict | None:
     nbytes = sum(getattr(layer, kind).weight.nbytes for layer in model.layers for kind in PROJECTIONS)
     nbytes += model.lm_head.weight.nbytes
     buf = read_buffer(nbytes)
+    passes = [("torch.sum", buf.sum)] + [(f"{name}, M={m}", functools.partial(_run_calls, calls, m))
+                                         for name, calls in runs.items() for m in STREAM_M]
     times: dict[str, list[float]] = defaultdict(list)
     for rep in range(repeats + 1):  # the first pass warms up
-        t0 = time.perf_counter()
-        buf.sum()
-        if rep:
-            times["torch.sum"].append(time.perf_counter() - t0)
-        for name, calls in runs.items():
-            for m in STREAM_M:
-                t0 = time.perf_counter()
-                for call in calls:
-                    call(m)
-                if rep:
-                    times[f"{name}, M={m}"].append(time.perf_counter() - t0)
+        # the order rotates each repeat: the pass right after torch.sum runs a few % slower (session 28)
+        for key, run_pass in passes[rep % len(passes):] + passes[:rep % len(passes)]:
+            t0 = time.perf_counter()
+            run_pass()
+            if rep:
+                times[key].append(time.perf_counter() - t0)
     rows = [{"what": key, "best_ms": min(v) * 1e3, "median_ms": sorted(v)[len(v) // 2] * 1e3,
              "best_gbs": nbytes / min(v) / 1e9, "median_gbs": nbytes / sorted(v)[len(v) // 2] / 1e9}
-            for key, v in times.items()]
+            for key, v in ((key, times[key]) for key, _ in passes)]
     read = rows[0]["median_gbs"]
     for r in rows:
         r["share_of_read"] = r["median_gbs"] / read
