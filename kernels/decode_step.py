@@ -260,9 +260,7 @@ class DecodeStep:
                 return None
             if layer.input_norm.dtype != model.dtype or layer.post_norm.dtype != model.dtype:
                 return None
-        lib = load()
-        if lib is not None:
-            stream_prefetch.ensure(model.dtype)  # measured once per machine (kernels/stream_prefetch.py)
+        lib = load()  # its prefetch distances: those the weights' plans chose (kernels/stream_prefetch.py)
         return None if lib is None else DecodeStep(model, kv_caches, lib)
 
     def applies(self, kv_caches, meta, num_tokens: int) -> bool:
