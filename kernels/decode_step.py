@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 
 import numpy as np
 import torch
@@ -191,6 +192,10 @@ class DecodeStep:
         self.screened_calls = 0  # C calls (steps or greedy windows) with the screened head (tests check the path)
         self._screen_panels = torch.zeros(1, dtype=torch.int64)  # the C side adds the panels it recomputes
         self.args.screen_panels = self._screen_panels.data_ptr()
+        kinds = {getattr(slot, name).kind for slot in layers for name in PROJECTIONS}
+        # float panels' prefetch distance, re-checked while serving (kernels/stream_prefetch.py)
+        self.tuner = (stream_prefetch.OnlineTuner(lib, kinds == {W_BF16}, MAX_ROWS)
+                      if kinds in ({W_F32}, {W_BF16}) else None)
 
     def _float_ptr(self, t: torch.Tensor | None) -> int | None:
         """The address of ``t`` as float32 rows (a bias, or a bfloat16 model's norm weight: a copy, kept)."""
@@ -323,9 +328,12 @@ class DecodeStep:
         else:
             assert offsets.shape == (n, a.V) and offsets.dtype == torch.float32 and offsets.is_contiguous()
             self._set_screened(head_screen.ScreenRows(offsets[:1], None))  # C moves it row by row
+        ahead, t0 = self._tune(1), time.perf_counter()
         made = self.lib.decode_window(ctypes.byref(a), ctypes.byref(self.embed), token, n, pos0, rot.data_ptr(),
                                       rot.stride(0), slots.data_ptr(), length.data_ptr(), stop_ids.data_ptr(),
                                       len(stop_ids), _ptr(offsets), a.V, out.data_ptr())
+        if ahead is not None and made > 0:
+            self.tuner.record(1, (time.perf_counter() - t0) / made)
         if made < 0:
             raise RuntimeError(f"fused decode step failed (code {-made}: 1 a shape the attention kernel does not "
                                "take, 2 out of memory)")
@@ -333,6 +341,11 @@ class DecodeStep:
         self.window_steps += made
         self.c_windows += 1
         return out[:made].tolist()
+
+    def _tune(self, rows: int) -> int | None:
+        """The prefetch distance a step of ``rows`` decode rows runs with where the tuner times it (0 rows: a
+        step with chunks, not timed)."""
+        return self.tuner.choose(rows) if self.tuner is not None and rows else None
 
     def call(self, x: torch.Tensor, rot: torch.Tensor, plan, rows: torch.Tensor | None,
              logits: torch.Tensor | None, screened: bool | head_screen.ScreenRows = False) -> None:
@@ -349,7 +362,10 @@ class DecodeStep:
         if logits is not None:
             a.R, a.rows, a.logits = logits.shape[0], _ptr(rows), logits.data_ptr()
         self._set_screened(screened if logits is not None else False)
+        ahead, t0 = self._tune(x.shape[0] if nd == x.shape[0] else 0), time.perf_counter()
         err = self.lib.decode_step(ctypes.byref(a))
+        if ahead is not None and not err:
+            self.tuner.record(x.shape[0], time.perf_counter() - t0)
         self.steps += 1
         if err:
             raise RuntimeError(f"fused decode step failed (code {err}: 1 a shape the attention kernel does not take, 2 out of memory)")

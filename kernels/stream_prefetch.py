@@ -12,7 +12,9 @@ no distance changes a result.
 
 Every library built from ``packed_gemm.c`` (the packed GEMM's own and the fused decode step's) has the table;
 :func:`register` applies the chosen distances to a library when it is built, and :func:`ensure` measures (or
-reads) them and applies them to every library registered so far.
+reads) them and applies them to every library registered so far. A measurement is a snapshot of a machine
+whose memory behaviour changes within minutes, so :class:`OnlineTuner` keeps checking it while the fused
+decode step runs, and :func:`adopt` takes what it finds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import logging
 import statistics
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,6 +85,21 @@ def ensure(dtype: torch.dtype) -> list[int] | None:
         for each in _libs:
             _apply(each, bf16, table)
     return table
+
+
+def adopt(bf16: bool, rows: int, ahead: int) -> None:
+    """Make ``ahead`` the distance for ``rows`` rows of ``bf16`` panels: in every registered library, this
+    process's table and this machine's plan file (so the next process starts from it)."""
+    with _lock:
+        table = list(_tables.get(bf16) or [DEFAULT] * (MAX_ROWS + 1))
+        table[rows] = ahead
+        _tables[bf16] = table
+        for each in _libs:
+            each.set_prefetch_ahead(int(bf16), rows, ahead)
+        key = ("bfloat16" if bf16 else "float32", torch.get_num_threads())
+        plan_cache.store("stream_prefetch", key, table)
+    log.info("decode tiles' prefetch distance changed while serving: %s panels, %d rows, %d bytes ahead",
+             key[0], rows, ahead)
 
 
 def _valid(kept) -> bool:
@@ -146,3 +165,79 @@ def chosen() -> dict[str, list[int]]:
     """The distances chosen so far, for logs and benchmark records: ``{"float32"|"bfloat16": [bytes by rows]}``."""
     with _lock:
         return {("bfloat16" if bf16 else "float32"): list(t) for bf16, t in _tables.items()}
+
+
+@dataclass
+class _Slot:
+    """One row count's trials: the last plain step's time per token, a trial waiting for the plain step after
+    it, each challenger's latest ratios (trial over the mean of the plain steps either side)."""
+    steps: int = 0
+    turn: int = 0
+    before: float | None = None
+    trial: tuple[int, int] | None = None  # (challenger, the distance to set back) while a trial step runs
+    pending: tuple[int, float, float] | None = None  # (challenger, its time per step, the plain step before)
+    ratios: dict[int, deque] = field(default_factory=dict)
+
+
+class OnlineTuner:
+    """Re-checks the prefetch distance of the fused decode step (kernels/decode_step.py) while it serves.
+
+    Why: :func:`ensure` measures once per machine, but a VM's memory behaviour changes under it (a Zen 3 VM,
+    session 29: the distance measured at load was 16 KB for one float32 row; half an hour later no software
+    prefetch made the served step 1.08x faster, side by side, and a fresh measurement agreed). So one step in
+    ``EVERY`` of each row count runs a challenger distance (the others in turn) and its time is judged
+    against the mean of the plain steps just before and after it, which cancels a drifting machine and a
+    growing context; a challenger whose last ``WINDOW`` ratios have a median under ``1 - MARGIN`` is adopted
+    (:func:`adopt`). What it costs: a trial of a distance 15% slower, one step in EVERY, is 1% of the time.
+    :meth:`choose` before a step, :meth:`record` after it; no distance changes a result."""
+
+    EVERY = 16
+    WINDOW = 10
+    MARGIN = 0.03
+
+    def __init__(self, lib: ctypes.CDLL, bf16: bool, max_rows: int) -> None:
+        self.lib, self.bf16 = lib, bf16
+        self._slots = [_Slot() for _ in range(min(max_rows, MAX_ROWS) + 1)]
+        self.trials = 0  # trial steps run (tests read it)
+
+    def current(self, rows: int) -> int:
+        """The distance a plain step of ``rows`` rows runs with (read while no trial is set)."""
+        table = _tables.get(self.bf16)
+        return table[rows] if table else int(self.lib.get_prefetch_ahead(int(self.bf16), rows))
+
+    def choose(self, rows: int) -> int | None:
+        """The distance the next step of ``rows`` rows runs with, set in the library where it is a trial;
+        None where this row count is not tuned (that step is not to be recorded)."""
+        if not 0 < rows < len(self._slots):
+            return None
+        slot, current = self._slots[rows], self.current(rows)
+        slot.steps += 1
+        if slot.before is None or slot.pending is not None or slot.steps % self.EVERY:
+            return current
+        rivals = [c for c in CANDIDATES if c != current]
+        slot.trial = (rivals[slot.turn % len(rivals)], current)
+        slot.turn += 1
+        self.lib.set_prefetch_ahead(int(self.bf16), rows, slot.trial[0])
+        self.trials += 1
+        return slot.trial[0]
+
+    def record(self, rows: int, seconds_per_step: float) -> None:
+        """The step :meth:`choose` set up took ``seconds_per_step`` (a window of several steps in one call: its
+        time per step); a trial's distance is taken back here."""
+        slot = self._slots[rows]
+        if slot.trial is not None:
+            challenger, current = slot.trial
+            slot.trial = None
+            self.lib.set_prefetch_ahead(int(self.bf16), rows, current)
+            slot.pending = (challenger, seconds_per_step, slot.before)
+            return
+        if slot.pending is not None:
+            challenger, trial, before = slot.pending
+            slot.pending = None
+            ratios = slot.ratios.setdefault(challenger, deque(maxlen=self.WINDOW))
+            ratios.append(2 * trial / (before + seconds_per_step))
+            if len(ratios) == self.WINDOW and statistics.median(ratios) < 1.0 - self.MARGIN:
+                adopt(self.bf16, rows, challenger)
+                self.lib.set_prefetch_ahead(int(self.bf16), rows, challenger)  # (registered or not)
+                slot.ratios.clear()  # judged against the old distance
+        slot.before = seconds_per_step

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_gemm, decode_step, kv_quant, packed_gemm
+from kernels import cpu_gemm, decode_step, kv_quant, packed_gemm, stream_prefetch
 from scheduler.request import Request, SamplingParams
 from tests.tiny_models import make_tiny_model
 from worker import model as model_module
@@ -109,6 +109,27 @@ def fused_and_op_by_op(path, prompts, steps=5, **kw):
 def prompts(n, vocab=200, seed=1):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 19))] for _ in range(n)]
+
+
+def test_prefetch_trials_while_serving_change_no_logit(tiny_dirs, monkeypatch):
+    """The fused step's prefetch tuner (kernels/stream_prefetch.py OnlineTuner) runs its trials inside real
+    steps, at one and at three rows, and every step's logits stay those of the op-by-op forward."""
+    monkeypatch.setattr(stream_prefetch.OnlineTuner, "EVERY", 3)
+    adopted = []
+    monkeypatch.setattr(stream_prefetch, "adopt", lambda *a: adopted.append(a))  # the machine's plan file untouched
+    for batch in (1, 3):
+        runner = packed_runner(tiny_dirs["llama"])
+        model = runner.model
+        model.use_decode_step(False)
+        plain = decode_logits(runner, prompts(batch, seed=batch), 24)
+        model.use_decode_step(True)
+        fused = decode_logits(runner, prompts(batch, seed=batch), 24)
+        tuner = model._decode_step.tuner
+        assert tuner is not None and tuner.trials >= 24 // 3 - 2
+        assert tuner._slots[batch].steps == 24 and not any(s.steps for i, s in enumerate(tuner._slots) if i != batch)
+        for a, b in zip(plain, fused, strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -128,3 +128,73 @@ def test_measured_once_then_read_from_the_plan_file(fresh, tmp_path, monkeypatch
         assert stream_prefetch.chosen() == {"bfloat16": table}
     finally:
         plan_cache.use(None)
+
+
+class _FakeLib:
+    """A library's prefetch table alone, with every value it was set to (the tuner's tests need no CPU kernel)."""
+
+    def __init__(self, ahead: int) -> None:
+        self.table = {(b, r): ahead for b in (0, 1) for r in range(stream_prefetch.MAX_ROWS + 1)}
+        self.sets: list[tuple[int, int, int]] = []
+
+    def set_prefetch_ahead(self, bf16, rows, ahead):
+        self.sets.append((bf16, rows, ahead))
+        self.table[(bf16, rows)] = ahead
+
+    def get_prefetch_ahead(self, bf16, rows):
+        return self.table[(bf16, rows)]
+
+
+def _serve(tuner, lib, speed, steps: int, rows: int = 1, noise: float = 0.02, seed: int = 0) -> list[int]:
+    """``steps`` steps through the tuner, each taking ``speed[distance in the library]`` seconds times a drift
+    (the machine slowing by half over the run, a context growing) and noise; the distances the steps ran with."""
+    g = torch.Generator().manual_seed(seed)
+    ran = []
+    for i in range(steps):
+        ahead = tuner.choose(rows)
+        assert ahead == lib.get_prefetch_ahead(1, rows)  # what the step runs with is what the library has
+        drift = 1.0 + 0.5 * i / steps
+        tuner.record(rows, speed[ahead] * drift * (1.0 + noise * float(torch.randn(1, generator=g))))
+        ran.append(ahead)
+    return ran
+
+
+def test_online_tuner_adopts_a_faster_distance_and_keeps_it(fresh, tmp_path, monkeypatch):
+    """Started from a distance 8% slower than no prefetch, on a machine that drifts and jitters 2% a step: the
+    tuner adopts no prefetch (in every registered library, the plan file), trials cost one step in EVERY, and
+    each trial's distance is taken back after its step."""
+    monkeypatch.setattr(plan_cache, "_active", None)
+    plan_cache.use(tmp_path)
+    try:
+        lib, other = _FakeLib(16384), _FakeLib(16384)
+        stream_prefetch._libs.append(other)
+        speed = {0: 0.0100, 2048: 0.0110, 4096: 0.0108, 8192: 0.0109, 16384: 0.0108}
+        tuner = stream_prefetch.OnlineTuner(lib, True, 8)
+        ran = _serve(tuner, lib, speed, 16 * 4 * tuner.WINDOW + 64)
+        assert stream_prefetch.chosen()["bfloat16"][1] == 0
+        assert other.get_prefetch_ahead(1, 1) == 0 and lib.get_prefetch_ahead(1, 1) == 0
+        assert plan_cache.lookup("stream_prefetch", ("bfloat16", torch.get_num_threads()))[1] == 0
+        assert tuner.trials <= len(ran) // tuner.EVERY + 1
+        assert ran[-32:].count(0) >= 30  # kept: the others only as trials
+        restored = [s for s in lib.sets if s[2] == 16384]
+        assert restored, "a trial's distance was never taken back"
+    finally:
+        plan_cache.use(None)
+
+
+def test_online_tuner_does_not_move_on_noise(fresh, tmp_path, monkeypatch):
+    """Distances within 1% of each other under 3% noise per step: nothing is adopted over a long run, and a
+    row count the tuner does not cover (0: a step with chunks; beyond its rows) is neither set nor timed."""
+    monkeypatch.setattr(plan_cache, "_active", None)
+    plan_cache.use(tmp_path)
+    try:
+        lib = _FakeLib(4096)
+        speed = {0: 0.0101, 2048: 0.0100, 4096: 0.0100, 8192: 0.0099, 16384: 0.0100}
+        tuner = stream_prefetch.OnlineTuner(lib, True, 8)
+        ran = _serve(tuner, lib, speed, 3000, noise=0.03, seed=5)
+        assert stream_prefetch.chosen() == {} and lib.get_prefetch_ahead(1, 1) == 4096
+        assert 0 < tuner.trials <= 3000 // tuner.EVERY and ran.count(4096) == 3000 - tuner.trials
+        sets = len(lib.sets)
+        assert tuner.choose(0) is None and tuner.choose(9) is None and len(lib.sets) == sets
+    finally:
+        plan_cache.use(None)
