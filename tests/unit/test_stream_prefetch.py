@@ -183,8 +183,9 @@ def test_online_tuner_adopts_a_faster_distance_and_keeps_it(fresh, tmp_path, mon
 
 
 def test_online_tuner_does_not_move_on_noise(fresh, tmp_path, monkeypatch):
-    """Distances within 1% of each other under 3% noise per step: nothing is adopted over a long run, and a
-    row count the tuner does not cover (0: a step with chunks; beyond its rows) is neither set nor timed."""
+    """Distances within 1% of each other under 3% noise per step: nothing is adopted over a long run, the
+    trials come SETTLED times rarer once every challenger has had a block judged, and a row count the tuner does not
+    cover (0: a step with chunks; beyond its rows) is neither set nor timed."""
     monkeypatch.setattr(plan_cache, "_active", None)
     plan_cache.use(tmp_path)
     try:
@@ -193,7 +194,10 @@ def test_online_tuner_does_not_move_on_noise(fresh, tmp_path, monkeypatch):
         tuner = stream_prefetch.OnlineTuner(lib, True, 8)
         ran = _serve(tuner, lib, speed, 3000, noise=0.03, seed=5)
         assert stream_prefetch.chosen() == {} and lib.get_prefetch_ahead(1, 1) == 4096
-        assert 0 < tuner.trials <= 3000 // tuner.EVERY and ran.count(4096) == 3000 - tuner.trials
+        filling = tuner.EVERY * (len(stream_prefetch.CANDIDATES) - 1) * tuner.WINDOW  # steps until every block is judged
+        settled = (3000 - filling) // (tuner.EVERY * tuner.SETTLED)
+        assert filling // tuner.EVERY + settled - 2 <= tuner.trials <= filling // tuner.EVERY + settled + 2
+        assert ran.count(4096) == 3000 - tuner.trials
         sets = len(lib.sets)
         assert tuner.choose(0) is None and tuner.choose(9) is None and len(lib.sets) == sets
     finally:
