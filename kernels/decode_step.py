@@ -332,8 +332,8 @@ class DecodeStep:
         made = self.lib.decode_window(ctypes.byref(a), ctypes.byref(self.embed), token, n, pos0, rot.data_ptr(),
                                       rot.stride(0), slots.data_ptr(), length.data_ptr(), stop_ids.data_ptr(),
                                       len(stop_ids), _ptr(offsets), a.V, out.data_ptr())
-        if ahead is not None and made > 0:
-            self.tuner.record(1, (time.perf_counter() - t0) / made)
+        if ahead is not None:  # (a failed call too: a trial's distance is taken back)
+            self.tuner.record(1, (time.perf_counter() - t0) / max(made, 1))
         if made < 0:
             raise RuntimeError(f"fused decode step failed (code {-made}: 1 a shape the attention kernel does not "
                                "take, 2 out of memory)")
@@ -364,7 +364,7 @@ class DecodeStep:
         self._set_screened(screened if logits is not None else False)
         ahead, t0 = self._tune(x.shape[0] if nd == x.shape[0] else 0), time.perf_counter()
         err = self.lib.decode_step(ctypes.byref(a))
-        if ahead is not None and not err:
+        if ahead is not None:
             self.tuner.record(x.shape[0], time.perf_counter() - t0)
         self.steps += 1
         if err:

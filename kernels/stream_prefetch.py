@@ -168,8 +168,8 @@ def chosen() -> dict[str, list[int]]:
 
 @dataclass
 class _Slot:
-    """One row count's trials: the last plain step's time per token, a trial waiting for the plain step after
-    it, each challenger's latest ratios (trial over the mean of the plain steps either side)."""
+    """One row count's trials: the last plain step's time, the trial running or waiting for the plain step
+    after it, each challenger's ratios so far in its block (trial over the mean of the plain steps either side)."""
     steps: int = 0
     turn: int = 0
     before: float | None = None
