@@ -42,6 +42,10 @@ VARIANTS: dict[str, dict] = {
     "kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},
+    "w4a8-kv-float32": {"dtype": "float32", "quantization": "w4a8", "kv_cache_dtype": "float32"},
+    "w4a8-kv-bfloat16": {"dtype": "float32", "quantization": "w4a8", "kv_cache_dtype": "bfloat16"},
+    "gguf-auto-kv-float32": {"dtype": "float32", "quantization": "auto", "kv_cache_dtype": "float32"},
+    "gguf-auto-kv-bfloat16": {"dtype": "float32", "quantization": "auto", "kv_cache_dtype": "bfloat16"},
 }
 TARGETS = {"int8": 0.01, "int4-g32": 0.06, "int4-g64": 0.06, "w4a8": 0.06, "kv-int8": 0.01}  # relative perplexity increase allowed
 PROMPTS = (

@@ -116,7 +116,8 @@ class Settings(BaseSettings):
         32, description="Inputs per int4 scale/zero-point group.")
     kv_cache_memory: str = Field("1GiB", description="KV-cache pool size, e.g. 2GiB.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3"] = Field(
-        "auto", description="KV-cache element type; auto = the model's dtype. bfloat16 with a float32 model "
+        "auto", description="KV-cache element type; auto = the model's dtype, or bfloat16 where a float32 "
+        "model's weights are quantised (CPU; their own error dwarfs the cache's). bfloat16 with a float32 model "
         "halves the cache (twice the tokens per budget, faster decode attention on CPU) at the cost of exact "
         "agreement with a float32 reference. int8 (CPU): each (token, head) row as int8 codes with its own "
         "scale, ~1.9x the tokens of bfloat16 per budget, read in place by the C attention kernels. fp8_e4m3 (CPU): "

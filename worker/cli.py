@@ -67,7 +67,8 @@ def generate(
     kv_cache_memory: str | None = opts.KV_CACHE_MEMORY,
     dtype: str | None = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
-                                              help="auto (the model's dtype), float32, bfloat16, float16, int8 or fp8_e4m3."),
+                                              help="auto (the model's dtype; bfloat16 under quantised float32 "
+                                                   "weights), float32, bfloat16, float16, int8 or fp8_e4m3."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable prefix caching."),
     speculative_method: str | None = opts.SPECULATIVE_METHOD,
     speculative_draft_model: str | None = opts.SPECULATIVE_DRAFT_MODEL,

@@ -107,6 +107,24 @@ def test_a_width_that_is_no_whole_number_of_groups_is_a_clear_error(tmp_path):
 def test_auto_on_a_plain_checkpoint_stays_float(tiny_model):
     runner = ModelRunner(tiny_model, device="cpu", dtype="float32", kv_cache_bytes=1 << 20, quantization="auto")
     assert runner.model.quantization == "none"
+    assert runner.kv_dtype == torch.float32  # float weights: the cache stays exact
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w4a8"])
+def test_quantised_weights_take_a_bfloat16_cache_unless_told(tiny_model, quantization):
+    """kv_cache_dtype=auto under quantised float32 weights is bfloat16 (model_runner._kv_dtype says why): twice
+    the blocks of a float32 cache for the same budget; an explicit float32 keeps the float32 pools."""
+    runners = {kv: ModelRunner(tiny_model, device="cpu", dtype="float32", kv_cache_bytes=1 << 20,
+                               quantization=quantization, kv_cache_dtype=kv) for kv in ("auto", "float32")}
+    assert runners["auto"].kv_dtype == torch.bfloat16 and runners["float32"].kv_dtype == torch.float32
+    assert runners["auto"].kv_caches[0][0].dtype == torch.bfloat16
+    assert runners["auto"].num_blocks == 2 * runners["float32"].num_blocks
+    prompt = [(3 * i + 5) % 300 + 3 for i in range(23)]
+    narrow, wide = (_last_logits(tiny_model, prompt, quantization=quantization, kv_cache_dtype=kv)
+                    for kv in ("auto", "float32"))
+    ref = _last_logits(tiny_model, prompt)
+    assert not torch.equal(narrow, wide)  # the keys and values really are rounded
+    assert _kl(ref, narrow) < 1.5 * _kl(ref, wide) + 1e-4  # and cost little beside the weights' own rounding
 
 
 # --- the default model's GGUF, 4-bit as shipped ---------------------------------------------------------------
@@ -121,6 +139,7 @@ def test_the_default_gguf_is_served_at_4_bits_with_a_sensible_answer(smollm_dir)
                              quantization="auto"))
     model = eng.runner.model
     assert model.quantization == "int4"
+    assert eng.runner.kv_dtype == torch.bfloat16  # the service's default cache under 4-bit weights
     layer = model.layers[0]
     assert all(isinstance(p, QuantLinear) and p.weight.fmt == "int4" for p in (layer.qkv, layer.o, layer.gate_up,
                                                                                layer.down))
