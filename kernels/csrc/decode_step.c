@@ -14,17 +14,18 @@
    same region where the head is in panels too. Built with those kernels' sources into one library
    (kernels/decode_step.py). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
+#include "team.h"
 
 /* Built with INFERQ_STEP_PHASES (bench/latency.py's breakdown only): each thread adds the wall time of every
    phase of the step to phase_ns[thread][phase], read and cleared by step_phases(); otherwise PHASE() is nothing.
    A product's phase ends when its share is done; the wait at the barrier after it is a phase of its own. */
 #ifdef INFERQ_STEP_PHASES
-#include <omp.h>
 #include <time.h>
 enum { PH_NORM, PH_QKV, PH_WAIT_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_WAIT_O, PH_GATE_UP, PH_WAIT_GATE_UP, PH_SILU,
        PH_DOWN, PH_WAIT_DOWN, PH_HEAD, PH_COUNT };
@@ -362,13 +363,18 @@ static void screen_head(const step_args* a, const float* h) {
 /* Every layer of one step, the ops in the order of worker/model.py's forward. Each product's panels are shared
    over the team (no barrier of its own); a barrier follows before its output is read. The norms and SwiGLU, a
    few rows each, are computed by every thread into rows of its own (the same values: no barrier needed after
-   them, three fewer per layer); RoPE and the cache write run on one thread (omp single, whose end is a barrier).
+   them, three fewer per layer); RoPE and the cache write run on one thread, a barrier after them. The layer loop's
+   barriers are team.h's, not omp barrier (team.h says why); the attention kernel's own work-sharing loops keep
+   theirs.
    Returns 0, the attention kernel's error code, or 2 where a thread's rows could not be allocated. */
 int decode_step(const step_args* a) {
     const int M = a->M, H = a->H, D = a->D, I = a->inter, nq = a->Hq * D, nqkv = (a->Hq + 2 * a->Hkv) * D;
     int err = 0;
+    team_barrier bar; /* the layer loop's barriers (team.h says why not omp barrier) */
+    team_barrier_init(&bar);
 #pragma omp parallel
     {
+        const int members = omp_get_num_threads(), first = omp_get_thread_num() == 0;
         float* h = (float*)malloc(sizeof(float) * (size_t)M * (size_t)(H > I ? H : I)); /* norm or SwiGLU rows */
         int ok = h != NULL;
 #pragma omp atomic update
@@ -381,14 +387,14 @@ int decode_step(const step_args* a) {
             PHASE(PH_NORM);
             product(&w->qkv, h, H, a->qkv, nqkv, M, nqkv, H, 0);
             PHASE(PH_QKV);
-#pragma omp barrier
+            team_barrier_wait(&bar, members);
             PHASE(PH_WAIT_QKV);
-#pragma omp single
-            {
+            if (first) {
                 (a->rope_half ? rope_half_f32 : rope_interleaved_f32)(a->qkv, nqkv, a->rot, D, M, a->Hq + a->Hkv,
                                                                       D / 2);
                 write_kv(a, w);
             }
+            team_barrier_wait(&bar, members);
             PHASE(PH_ROPE_KV);
             const int e = attend(a, w); /* ends with the team's barrier */
             if (e) {
@@ -398,19 +404,19 @@ int decode_step(const step_args* a) {
             PHASE(PH_ATTN);
             product(&w->o, a->attn, nq, a->x, H, M, H, nq, 1);
             PHASE(PH_O);
-#pragma omp barrier
+            team_barrier_wait(&bar, members);
             PHASE(PH_WAIT_O);
             rms_norm_f32(a->x, H, w->post_norm, h, H, M, H, a->eps);
             PHASE(PH_NORM);
             product(&w->gate_up, h, H, a->gu, 2 * I, M, 2 * I, H, 0);
             PHASE(PH_GATE_UP);
-#pragma omp barrier
+            team_barrier_wait(&bar, members);
             PHASE(PH_WAIT_GATE_UP);
             silu_mul_to_f32(a->gu, 2 * I, h, I, M, I);
             PHASE(PH_SILU);
             product(&w->down, h, I, a->x, H, M, H, I, 1);
             PHASE(PH_DOWN);
-#pragma omp barrier
+            team_barrier_wait(&bar, members);
             PHASE(PH_WAIT_DOWN);
         }
         if (a->head.w && !err) {
