@@ -100,6 +100,10 @@ class Settings(BaseSettings):
         "steps' time): the scheduling, postprocessing and streaming around a step are paid once per window. A "
         "request arriving meanwhile waits for the window's end at most. Output is unchanged (the same forward "
         "and sampler per token). 0: one token per step.")
+    decode_ahead_wake_ms: float = Field(
+        50.0, ge=0, description="decode_ahead_ms for a worker, whose windows end after any token once a job or a "
+        "cancellation is announced on its pub/sub connection: a newcomer waits one token, not the window, so the "
+        "window may be longer (its text is published at its end, as stream_interval_ms paces it anyway).")
     cuda_graph_max_batch: int = Field(
         64, ge=0, description="On a CUDA device with Triton attention, decode steps of up to this many sequences "
         "replay CUDA graphs captured at start (one per batch-size bucket: 1, 2, 4, ...): one launch per step "

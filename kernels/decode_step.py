@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import select
 import time
 
 import numpy as np
@@ -91,7 +92,7 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
     lib.decode_step.argtypes = [ctypes.POINTER(_Args)]
     lib.decode_step.restype = _I
     lib.decode_window.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Embed), _I64, _I, _I, _P, _I64, _P, _P,
-                                  _P, _I, _P, _I64, _P]
+                                  _P, _I, _P, _I64, _P, _I]
     lib.decode_window.restype = _I
     lib.set_generic.argtypes = [_I]
     lib.set_avx512.argtypes = [_I]
@@ -154,8 +155,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def woken(fd: int) -> bool:
+    """Whether ``fd`` (>= 0) is readable now: a decode-ahead window's cue to end early (``run_window``'s
+    ``wake_fd``, checked the same way between the tokens of a window run in Python)."""
+    return fd >= 0 and bool(select.select([fd], [], [], 0)[0])
+
+
 class DecodeStep:
     """The argument block of one model's layers and KV caches, filled once; :meth:`run` sets the step's inputs."""
+
+    woken = staticmethod(woken)
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lib: ctypes.CDLL) -> None:
         c = model.config
@@ -307,14 +316,14 @@ class DecodeStep:
         self.call(x, rot, (slot, (1, table, length, int(length[0])), _NO_CHUNKS), None, logits, argmax_only)
 
     def run_window(self, token: int, pos0: int, rot: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
-                   stops: list[int], offsets: torch.Tensor | None = None) -> list[int]:
+                   stops: list[int], offsets: torch.Tensor | None = None, wake_fd: int = -1) -> list[int]:
         """A decode-ahead window in one C call (``decode_window``): from ``token`` at position ``pos0``, up to
         ``len(slots)`` tokens, each the argmax of its logits (greedy) or, with ``offsets`` (float32 ``[n, V]``,
         the sampler's race offsets of a row with no cut, drawn for the whole window), of its logits plus its row;
-        ending after one in ``stops``. The embedding lookup and the argmax are the model's and the sampler's
-        own, so the tokens are those of :meth:`run_decode` in a Python loop. ``rot`` ``[n, D/2, 2]`` float32,
-        ``slots`` int64 ``[n]``, ``table`` int32 ``[1, blocks]``. Needs :attr:`embed` (set where the head runs
-        inside the step)."""
+        ending after one in ``stops``, or after any token once ``wake_fd`` (>= 0) is readable. The embedding
+        lookup and the argmax are the model's and the sampler's own, so the tokens are those of
+        :meth:`run_decode` in a Python loop. ``rot`` ``[n, D/2, 2]`` float32, ``slots`` int64 ``[n]``, ``table``
+        int32 ``[1, blocks]``. Needs :attr:`embed` (set where the head runs inside the step)."""
         assert self.embed is not None
         n, a = len(slots), self.args
         assert rot.is_contiguous() and slots.is_contiguous() and rot.shape[0] >= n
@@ -331,7 +340,7 @@ class DecodeStep:
         ahead, t0 = self._tune(1), time.perf_counter()
         made = self.lib.decode_window(ctypes.byref(a), ctypes.byref(self.embed), token, n, pos0, rot.data_ptr(),
                                       rot.stride(0), slots.data_ptr(), length.data_ptr(), stop_ids.data_ptr(),
-                                      len(stop_ids), _ptr(offsets), a.V, out.data_ptr())
+                                      len(stop_ids), _ptr(offsets), a.V, out.data_ptr(), wake_fd)
         if ahead is not None:  # (a failed call too: a trial's distance is taken back)
             self.tuner.record(1, (time.perf_counter() - t0) / max(made, 1))
         if made < 0:

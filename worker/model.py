@@ -394,15 +394,16 @@ class CausalLM:
 
     def decode_window(self, kv_caches, backend: AttentionBackend, meta: AttentionMetadata, token: int,
                       slots: torch.Tensor, table: torch.Tensor, pick: Callable[[torch.Tensor, int], int],
-                      stops: set[int], greedy: bool = False, race=None, window=None) -> list[int] | None:
+                      stops: set[int], greedy: bool = False, race=None, window=None,
+                      wake_fd: int = -1) -> list[int] | None:
         """A decode-ahead window of one sequence (worker/model_runner.py ``_decode_ahead``) through the fused
         step, with no per-token metadata: ``token`` first, then each token ``pick(logits, i)`` chooses, until
-        ``len(slots)`` tokens or one in ``stops``. ``meta``: the first token's (it decides whether the fused step
-        applies); ``slots`` int64 ``[n]`` and ``table`` int32 ``[1, blocks]`` cover the window. Per token: the
-        embedding row, the C step (logits into one buffer), ``pick``. ``greedy``, or ``window(n)`` (every token's race
-        offsets: a sampled row with no cut), runs it all in one C call where the step can look the tokens up; else
-        ``race(i)``, drawn before token i's step, is its ``argmax_only``. Returns the tokens, or None where the fused
-        step with the head inside does not run: the caller then goes token by token."""
+        ``len(slots)`` tokens, one in ``stops``, or ``wake_fd`` readable (``DecodeStep.woken``). ``meta``: the
+        first token's (it decides whether the fused step applies); ``slots`` int64 ``[n]`` and ``table`` int32
+        ``[1, blocks]`` cover the window. Per token: the embedding row, the C step (logits into one buffer),
+        ``pick``. ``greedy``, or ``window(n)`` (every token's race offsets: a sampled row with no cut), runs it all
+        in one C call where the step can look the tokens up; else ``race(i)``, drawn before token i's step, is its
+        ``argmax_only``. Returns the tokens, or None where the fused step with the head inside does not run."""
         step = self._fused_step(kv_caches, meta, 1, backend)
         if step is None or not step.has_head:
             return None
@@ -412,7 +413,7 @@ class CausalLM:
                else torch.view_as_real(self._rope(positions, pos0 + n - 1)[0]).contiguous())
         offsets = window(n) if window is not None and not greedy and step.embed is not None else None
         if (greedy or offsets is not None) and step.embed is not None:
-            return step.run_window(token, pos0, rot, slots, table, sorted(stops), offsets)
+            return step.run_window(token, pos0, rot, slots, table, sorted(stops), offsets, wake_fd)
         length, ids, out = torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.long), []
         logits = torch.empty((1, step.args.V), dtype=torch.float32)
         for i in range(n):
@@ -422,7 +423,7 @@ class CausalLM:
                             length, logits, race(i) if race else greedy)
             token = pick(logits, i)
             out.append(token)
-            if token in stops:
+            if token in stops or step.woken(wake_fd):
                 break
         return out
 

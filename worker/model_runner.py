@@ -21,6 +21,7 @@ from inferq.log import get_logger
 from kernels import kv_quant
 from kernels.attention_api import AttentionBackend, AttentionMetadata
 from kernels.backend import get_backend
+from kernels.decode_step import woken
 from kernels.head_screen import ScreenRows
 from scheduler.request import Request
 from worker.gptq_weights import packed_config
@@ -395,12 +396,14 @@ class ModelRunner:
         return results
 
     supports_decode_ahead = True  # worker/engine.py's _plan_ahead hands this runner decode-ahead windows
+    wake_fd = -1  # set by the engine per window: where readable, the window ends after its current token
 
     def _decode_ahead(self, req: Request, n: int) -> list[int]:
         """A decode-ahead window (worker/engine.py, ``_plan_ahead``): up to ``n`` tokens of one decoding request,
         one forward each (the token just chosen is the next one's input), at the slots the scheduler granted
         its placeholders. Each token is sampled as plain decoding samples it (same sampler, same output index),
-        so greedy and seeded output is unchanged. Stops after an end token; the postprocess drops the rest."""
+        so greedy and seeded output is unchanged. Stops after an end token, or any token once ``wake_fd`` is
+        readable (kernels/decode_step.py ``woken``); the postprocess drops the rest."""
         bs, dev, sp = self.block_size, self.device, req.sampling
         pos0, last = req.num_computed_tokens, req.num_computed_tokens + n - 1
         if n != 1 + len(req.spec_token_ids) or pos0 + 1 != req.num_tokens:
@@ -433,7 +436,8 @@ class ModelRunner:
         if dev.type == "cpu" and decode_window is not None:  # the fused step's own loop, where it runs
             window = decode_window(self.kv_caches, self.backend, meta_at(0), token, torch.from_numpy(slots),
                                    torch.from_numpy(table), pick, stops, greedy=sp.greedy, race=race,
-                                   window=lambda n: self.sampler.window_offsets(sp, first, n, self.vocab_size))
+                                   window=lambda n: self.sampler.window_offsets(sp, first, n, self.vocab_size),
+                                   wake_fd=self.wake_fd)
             if window is not None:
                 return window
         rows, tokens = torch.zeros(1, dtype=torch.long, device=dev), []
@@ -446,7 +450,7 @@ class ModelRunner:
                                             max_position=pos, argmax_only=race(i))
             token = pick(logits, i)
             tokens.append(token)
-            if token in stops:
+            if token in stops or woken(self.wake_fd):
                 break
         return tokens
 

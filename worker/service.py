@@ -79,6 +79,8 @@ class Worker:
         if engine is None:
             engine = _load_engine(settings, self.log)
         self.engine = engine
+        if hasattr(engine, "wake_fd"):  # decode-ahead windows end early when something is announced
+            engine.wake_fd = self.consumer.wake_fd
         # what this worker serves, for the API's model registry (published with every heartbeat)
         self.registration = models_registry.WorkerRegistration(
             self.redis, settings.stream_prefix, self.model, self.name, models_registry.describe_engine(engine),

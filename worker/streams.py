@@ -57,6 +57,7 @@ from worker.metrics import WorkerMetrics
 
 LANE_REFRESH_SECONDS = 0.1  # how soon a new tenant's lane is read (one SMEMBERS per tier per refresh)
 QUIET_PROBE_SECONDS = 0.1  # how often a busy worker told of no new job looks at its streams anyway
+DRAIN_MAX = 10_000  # pub/sub messages read per loop iteration at most (cancelled_jobs)
 ROUTE_PRUNE_SECONDS = 60.0  # how often a worker removes the empty routed lanes of long-gone workers
 
 
@@ -176,6 +177,16 @@ class StreamConsumer:
             self.pubsub = None
             self.log.warning("cannot subscribe to cancellations (the heartbeat still polls them)", error=str(exc))
 
+    def wake_fd(self) -> int:
+        """The pub/sub connection's socket (-1 without one): it turns readable when a job or a cancellation is
+        announced, and ``cancelled_jobs`` drains it every loop, so the engine ends a decode-ahead window early
+        on it (worker/engine.py ``_plan_ahead``)."""
+        sock = getattr(getattr(self.pubsub, "connection", None), "_sock", None)
+        try:
+            return sock.fileno() if sock is not None else -1
+        except OSError:
+            return -1
+
     def cancelled_jobs(self) -> list[str]:
         """Job ids published on the cancel channel since the last call (never blocks); a new job announced on
         ``new_jobs_channel`` meanwhile ends ``read``'s quiet."""
@@ -184,9 +195,13 @@ class StreamConsumer:
         job_ids: list[str] = []
         cancels = cancel_channel(self.prefix)
         try:
-            while True:
+            for _ in range(DRAIN_MAX):
                 msg = self.pubsub.get_message(timeout=0)
                 if msg is None:
+                    # an ignored subscribe confirmation also reads as None: go on while more is waiting, so
+                    # the socket is left quiet (wake_fd: a readable one ends every decode-ahead window early)
+                    if self.pubsub.connection is not None and self.pubsub.connection.can_read(timeout=0):
+                        continue
                     break
                 if msg.get("type") != "message":
                     continue

@@ -147,3 +147,34 @@ def test_a_request_arriving_mid_stream_and_an_abort(tiny_model):
     assert 4 < len(outs["r2"].token_ids) < MAX_TOKENS[2] + 20
     assert outs["r2"].token_ids == hf_greedy(tiny_model, PROMPTS[2:], [MAX_TOKENS[2] + 20])[0][:len(outs["r2"].token_ids)]
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded top-k"])
+def test_a_readable_wake_descriptor_ends_each_window_after_one_token(tiny_model, sampling):
+    """With ``wake_fd`` set (the worker's pub/sub socket), windows take the decode_ahead_wake_ms budget; while
+    the descriptor is readable (something announced) each window ends after its current token, so a newcomer
+    waits one token. Either way the tokens are plain decoding's and every block comes back. (The runner's own
+    loop here; tests/unit/test_decode_step.py has the fused step's.)"""
+    import os
+
+    params = [SamplingParams(max_tokens=m, temperature=0.8, top_k=5, seed=3 + m, ignore_eos=True)
+              if sampling != "greedy" else SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS]
+    plain = one_at_a_time(engine(tiny_model, ahead=False), params)
+    read_end, write_end = os.pipe()
+    try:
+        steps = {}
+        for readable in (False, True):
+            if readable:
+                os.write(write_end, b"x")  # stays unread: readable for the whole run
+            eng = engine(tiny_model, ahead=False, decode_ahead_wake_ms=1000.0)
+            eng.wake_fd = lambda: read_end
+            outs = one_at_a_time(eng, params, check_blocks=True)
+            assert {k: o.token_ids for k, o in outs.items()} == {k: o.token_ids for k, o in plain.items()}
+            assert eng.block_manager.num_free == eng.block_manager.num_blocks
+            steps[readable] = eng.stats.steps
+        tokens = sum(len(o.token_ids) for o in plain.values())
+        assert steps[False] < tokens // 2  # decode_ahead_ms is 0: the wake budget alone made these windows
+        assert steps[True] >= tokens  # one token a step (and the prefills)
+    finally:
+        os.close(read_end)
+        os.close(write_end)

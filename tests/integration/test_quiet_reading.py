@@ -128,3 +128,35 @@ def test_a_batch_of_jobs_is_announced_once_per_stream(setup) -> None:
     consumer.next_lane_refresh = time.monotonic() + 3600  # the lanes are new: the notices alone find them
     _hear_notices(consumer)
     assert len(_read(consumer, 10)) == 6
+
+
+def test_the_wake_descriptor_turns_readable_on_an_announcement_and_quiet_once_drained(setup) -> None:
+    """``wake_fd`` (what the engine's decode-ahead windows poll, worker/engine.py): the pub/sub socket, readable
+    once a job (or a cancellation) is announced, quiet again after the loop's ``cancelled_jobs`` drained it."""
+    from kernels.decode_step import woken
+
+    settings, r, consumer = setup
+    consumer.cancelled_jobs()
+    fd = consumer.wake_fd()
+    assert fd >= 0 and not woken(fd)
+    _enqueue(settings, r, "wakes")
+    deadline = time.monotonic() + 5
+    while not woken(fd) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert woken(fd)
+    consumer.cancelled_jobs()  # the loop's drain, each iteration
+    assert not woken(consumer.wake_fd())
+    r.publish(_cancel(settings), "some-job")
+    deadline = time.monotonic() + 5
+    while not woken(fd) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert woken(fd) and consumer.cancelled_jobs() == ["some-job"] and not woken(fd)
+    pubsub, consumer.pubsub = consumer.pubsub, None
+    assert consumer.wake_fd() == -1  # no subscription: windows keep decode_ahead_ms
+    consumer.pubsub = pubsub
+
+
+def _cancel(settings) -> str:
+    from worker.streams import cancel_channel
+
+    return cancel_channel(settings.stream_prefix)

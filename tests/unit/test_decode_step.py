@@ -439,6 +439,48 @@ def test_decode_ahead_windows_run_the_fused_step_with_unchanged_output(tiny_dirs
     assert (step.window_steps > 3 * 30) == head and (step.window_steps == 0) == (not head)
 
 
+@pytest.mark.parametrize("c_loop", [True, False])
+def test_a_fused_window_ends_after_one_token_while_the_wake_descriptor_is_readable(tiny_dirs, c_loop):
+    """``wake_fd`` (the worker's pub/sub socket, worker/engine.py): while it is readable each fused window ends
+    after its current token, in one C call (a poll a token) or in the fused step's Python loop; the tokens are
+    the one-token steps'."""
+    import os
+
+    from inferq.settings import Settings
+    from worker.engine import LLMEngine
+
+    params = SamplingParams(max_tokens=31, temperature=0.0, ignore_eos=True)
+    runner = packed_runner(tiny_dirs["llama"])
+    plain, _ = _engine_tokens(runner, False, params, prompts(2, seed=6))
+    step = runner.model._decode_step
+    if not c_loop:
+        step.embed = None
+    read_end, write_end = os.pipe()
+    try:
+        made = {}
+        for readable in (False, True):
+            if readable:
+                os.write(write_end, b"x")
+            engine = LLMEngine(Settings(model=str(runner.model_dir), device="cpu", block_size=BLOCK,
+                                        decode_ahead_ms=0.0, decode_ahead_wake_ms=1000.0), runner=runner, tokenizer=None)
+            engine.wake_fd = lambda: read_end
+            got, windows = [], step.c_windows
+            for i, p in enumerate(prompts(2, seed=6)):
+                engine.add_request(Request(f"w{i}", p, params))
+                tokens = []
+                while engine.has_unfinished():
+                    for o in engine.step():
+                        tokens += o.new_token_ids or []
+                got.append(tokens)
+            assert got == plain
+            made[readable] = (engine.stats.steps, step.c_windows - windows)
+        assert made[False][0] < 2 * 31 // 4 and made[True][0] >= 2 * 31  # whole windows, then one token a step
+        assert (made[False][1] > 0) == c_loop  # the windows ran in one C call each (or in Python)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 @pytest.mark.skipif(not model_module.cpu_half_gemm_is_native(),
                     reason="a bfloat16 model computes in bfloat16 only where the CPU multiplies it natively")
 def test_decode_ahead_window_of_a_bfloat16_model(tiny_dirs):
