@@ -158,7 +158,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def woken(fd: int) -> bool:
     """Whether ``fd`` (>= 0) is readable now: a decode-ahead window's cue to end early (``run_window``'s
     ``wake_fd``, checked the same way between the tokens of a window run in Python)."""
-    return fd >= 0 and bool(select.select([fd], [], [], 0)[0])
+    if fd < 0:
+        return False
+    poller = select.poll()  # not select.select: that refuses descriptors from 1024 on
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class DecodeStep:
