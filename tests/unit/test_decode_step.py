@@ -399,15 +399,19 @@ def test_float8_conversion_is_torchs():
     assert not len(bad), [(float(x[i]), int(got[i]), int(want[i])) for i in bad[:5]]
 
 
-def _engine_tokens(runner, ahead: bool, params: SamplingParams, prompt_list) -> tuple[list[list[int]], int]:
+def _engine_tokens(runner, ahead: bool, params: SamplingParams, prompt_list,
+                   wake_fd: int | None = None) -> tuple[list[list[int]], int]:
     """Each prompt alone through an engine on ``runner`` (decode-ahead windows or one token per step): the
-    tokens, and the engine steps taken."""
+    tokens, and the engine steps taken. ``wake_fd``: the engine's wake descriptor, its windows then taking
+    ``decode_ahead_wake_ms`` (1 s) whatever ``ahead`` says."""
     from inferq.settings import Settings
     from worker.engine import LLMEngine
 
     settings = Settings(model=str(runner.model_dir), device="cpu", block_size=BLOCK,
-                        decode_ahead_ms=1000.0 if ahead else 0.0)
+                        decode_ahead_ms=1000.0 if ahead else 0.0, decode_ahead_wake_ms=1000.0)
     engine = LLMEngine(settings, runner=runner, tokenizer=None)
+    if wake_fd is not None:
+        engine.wake_fd = lambda: wake_fd
     out = []
     for i, p in enumerate(prompt_list):
         engine.add_request(Request(f"w{i}", p, params))
@@ -446,9 +450,6 @@ def test_a_fused_window_ends_after_one_token_while_the_wake_descriptor_is_readab
     the one-token steps'."""
     import os
 
-    from inferq.settings import Settings
-    from worker.engine import LLMEngine
-
     params = SamplingParams(max_tokens=31, temperature=0.0, ignore_eos=True)
     runner = packed_runner(tiny_dirs["llama"])
     plain, _ = _engine_tokens(runner, False, params, prompts(2, seed=6))
@@ -461,19 +462,10 @@ def test_a_fused_window_ends_after_one_token_while_the_wake_descriptor_is_readab
         for readable in (False, True):
             if readable:
                 os.write(write_end, b"x")
-            engine = LLMEngine(Settings(model=str(runner.model_dir), device="cpu", block_size=BLOCK,
-                                        decode_ahead_ms=0.0, decode_ahead_wake_ms=1000.0), runner=runner, tokenizer=None)
-            engine.wake_fd = lambda: read_end
-            got, windows = [], step.c_windows
-            for i, p in enumerate(prompts(2, seed=6)):
-                engine.add_request(Request(f"w{i}", p, params))
-                tokens = []
-                while engine.has_unfinished():
-                    for o in engine.step():
-                        tokens += o.new_token_ids or []
-                got.append(tokens)
+            windows = step.c_windows
+            got, steps = _engine_tokens(runner, False, params, prompts(2, seed=6), wake_fd=read_end)
             assert got == plain
-            made[readable] = (engine.stats.steps, step.c_windows - windows)
+            made[readable] = (steps, step.c_windows - windows)
         assert made[False][0] < 2 * 31 // 4 and made[True][0] >= 2 * 31  # whole windows, then one token a step
         assert (made[False][1] > 0) == c_loop  # the windows ran in one C call each (or in Python)
     finally:
