@@ -290,7 +290,8 @@ def breakdown(base, batch: int, *, steps: int = 64, prompt_len: int = 64, seed: 
     reads = read_buffer(sum(weight_bytes(model).values()))
     reads.sum()  # first touch
     read_s: list[float] = []
-    every = max(1, min(READ_EVERY, steps // 4))
+    # windows: a pass is only 6-11 engine steps, so a read after each (else one or none judged the share)
+    every = 1 if ahead else max(1, min(READ_EVERY, steps // 4))
     timers = StepTimers()
     timers.wrap(engine, "step", "step")
     timers.wrap(engine.scheduler, "schedule", "schedule")
