@@ -22,7 +22,7 @@ from worker.step_pacer import StepPacer
 
 log = get_logger(__name__)
 
-MAX_AHEAD = 32  # most tokens of a decode-ahead window (_plan_ahead)
+MAX_AHEAD = 16  # most tokens of a decode-ahead window (_plan_ahead)
 
 
 @dataclass
