@@ -32,8 +32,10 @@ def svc(pg_url, private_redis, tmp_path) -> Iterator[Service]:  # noqa: F811
     proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
     proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     # 3 s: ample for the cancels to reach the engine before the worker gives up
+    # no decode-ahead windows: one token a step keeps the lone ENDLESS job running past the give-up (a tiny
+    # model in windows of 16-32 tokens can decode its 15,000 tokens in about 3 s)
     s = Service(pg_url, private_redis.url, make_long_context_model(tmp_path / "model"), tmp_path,
-                db_retry_max_seconds=3.0)
+                db_retry_max_seconds=3.0, decode_ahead_ms=0.0, decode_ahead_wake_ms=0.0)
     s.proxy = proxy
     s.main = s.start_worker(database_url=proxied)
     yield s
