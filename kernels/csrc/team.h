@@ -1,9 +1,9 @@
 /* A barrier for the thread team of one OpenMP parallel region, where libgomp's costs more than the phase it ends.
 
-   Why: a one-sequence decode step (decode_step.c) meets at a barrier four times a layer, 120 times a step for
+   Why: a one-sequence decode step (decode_step.c) meets at a barrier five times a layer, 150 times a step for
    SmolLM2, and on a 2-core VM libgomp's barrier took 440-490 ns a crossing against 170 ns for this one (both
-   threads arriving together, a loop of 200,000 crossings); in the fused step the waits after the products
-   fell from 0.15 to 0.10 ms a step (w4a8), 1-2% of it. It counts arrivals on one atomic and releases the team
+   threads arriving together, a loop of 200,000 crossings); the one-sequence step ran 1.003-1.009x faster with
+   it (alternated in one engine). It counts arrivals on one atomic and releases the team
    by bumping a generation number that the others spin on (acquire / release: every write before a member's
    arrival is visible to every member after the release). A member that has spun for about 2^16 pauses without
    a release yields the CPU each further round, so a descheduled partner (more runnable threads than cores) is

@@ -134,6 +134,7 @@ def test_the_wake_descriptor_turns_readable_on_an_announcement_and_quiet_once_dr
     """``wake_fd`` (what the engine's decode-ahead windows poll, worker/engine.py): the pub/sub socket, readable
     once a job (or a cancellation) is announced, quiet again after the loop's ``cancelled_jobs`` drained it."""
     from kernels.decode_step import woken
+    from worker.streams import cancel_channel
 
     settings, r, consumer = setup
     consumer.cancelled_jobs()
@@ -146,7 +147,7 @@ def test_the_wake_descriptor_turns_readable_on_an_announcement_and_quiet_once_dr
     assert woken(fd)
     consumer.cancelled_jobs()  # the loop's drain, each iteration
     assert not woken(consumer.wake_fd())
-    r.publish(_cancel(settings), "some-job")
+    r.publish(cancel_channel(settings.stream_prefix), "some-job")
     deadline = time.monotonic() + 5
     while not woken(fd) and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -154,9 +155,3 @@ def test_the_wake_descriptor_turns_readable_on_an_announcement_and_quiet_once_dr
     pubsub, consumer.pubsub = consumer.pubsub, None
     assert consumer.wake_fd() == -1  # no subscription: windows keep decode_ahead_ms
     consumer.pubsub = pubsub
-
-
-def _cancel(settings) -> str:
-    from worker.streams import cancel_channel
-
-    return cancel_channel(settings.stream_prefix)
