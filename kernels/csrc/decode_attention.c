@@ -677,14 +677,18 @@ static void vector_share(int kind, const decode_args* a, int per, int* err) {
 
 /* Context parts per sequence (1: no split). With few sequences the items above are one kv head each, and a thread
    then reads every row's slice of its head, strided: 1.7x slower per byte than whole rows (python -m
-   bench.cpu_kernels decode-long). Split instead, each item reads whole rows of one stretch of a sequence, up to
-   four items per thread in whole rounds, stretches of at least SPLIT_MIN positions; the parts' softmax
-   partials are merged. */
+   bench.cpu_kernels decode-long). Split instead, each item reads whole rows of one stretch of a sequence: two
+   stretches a sequence, or more where that leaves a thread without one (one item per thread), each at least
+   SPLIT_MIN positions; the parts' softmax partials are merged. Few items, not several a thread for balance:
+   every item starts its prefetch stream cold, and in the fused step (two threads, alternated in one engine,
+   docs/BENCHMARKS.md) a lone sequence's step ran 1.02-1.08x faster at 1,000-4,000 positions with two stretches
+   than with six to eight, and two or three sequences 1.02x with two stretches each than with four or three. */
 #define SPLIT_MIN 128
 #define MAX_PARTS 64
 static int context_parts(const decode_args* a, int threads) {
     if (!use_split || a->S >= 4 * threads || a->Hq > MAX_HEADS) return 1;
-    int parts = (4 * threads + a->S - 1) / a->S;
+    int parts = (threads + a->S - 1) / a->S;
+    if (parts < 2) parts = 2;
     if (parts > a->max_len / SPLIT_MIN) parts = a->max_len / SPLIT_MIN;
     if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts * a->S > threads) parts -= (parts * a->S) % threads / a->S; /* whole rounds of items where it can */
