@@ -68,7 +68,8 @@ int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const void* 
                int64_t ys, int M, int N, int K, int accumulate);
 int decode_team(int kind, const float* q, int64_t q_ss, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
                 int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* lens, float* out,
-                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len);
+                int64_t o_ss, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale, int max_len,
+                team_scratch* ts);
 int prefill_team(int kind, const float* q, int64_t q_ts, int64_t q_hs, const void* kc, const void* vc, int64_t c_bs,
                  int64_t c_ts, int64_t c_hs, const int32_t* bt, int64_t bt_ss, const int32_t* qs, const int32_t* ctx,
                  float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale,
@@ -242,12 +243,12 @@ static void write_kv(const step_args* a, const step_layer* w) {
 
 /* Attention of the step's tokens over their caches, by the whole team (the decode kernel for the leading decodes,
    the prefill kernel for the chunks after them, as the op-by-op backend splits them); the phase before is done. */
-static int attend(const step_args* a, const step_layer* w) {
+static int attend(const step_args* a, const step_layer* w, team_scratch* ts) {
     const int D = a->D, nqkv = (a->Hq + 2 * a->Hkv) * D, nq = a->Hq * D;
     int err = 0;
     if (a->nd > 0)
         err = decode_team(a->kv_kind, a->qkv, nqkv, D, w->k_cache, w->v_cache, a->c_bs, a->c_ts, a->c_hs, a->bt,
-                          a->bt_ss, a->lens, a->attn, nq, D, a->nd, a->Hq, a->Hkv, D, a->bs, a->scale, a->max_len);
+                          a->bt_ss, a->lens, a->attn, nq, D, a->nd, a->Hq, a->Hkv, D, a->bs, a->scale, a->max_len, ts);
     if (a->np > 0) {
         const int e = prefill_team(a->kv_kind, a->qkv + (int64_t)a->nd * nqkv, nqkv, D, w->k_cache, w->v_cache,
                                    a->c_bs, a->c_ts, a->c_hs, a->p_bt, a->p_bt_ss, a->p_qs, a->p_ctx,
@@ -372,7 +373,12 @@ int decode_step(const step_args* a) {
     const int M = a->M, H = a->H, D = a->D, I = a->inter, nq = a->Hq * D, nqkv = (a->Hq + 2 * a->Hkv) * D;
     int err = 0;
     team_barrier bar; /* the layer loop's barriers (team.h says why not omp barrier) */
+    team_scratch scratch; /* the attention kernel's, kept across the layers */
     team_barrier_init(&bar);
+    if (team_scratch_init(&scratch, &bar, omp_get_max_threads())) {
+        team_scratch_free(&scratch);
+        return 2;
+    }
 #pragma omp parallel
     {
         const int members = omp_get_num_threads(), first = omp_get_thread_num() == 0;
@@ -397,7 +403,7 @@ int decode_step(const step_args* a) {
             }
             team_barrier_wait(&bar, members);
             PHASE(PH_ROPE_KV);
-            const int e = attend(a, w); /* ends with the team's barrier */
+            const int e = attend(a, w, &scratch); /* ends with the team's barrier */
             if (e) {
 #pragma omp atomic write
                 err = e;
@@ -437,6 +443,7 @@ int decode_step(const step_args* a) {
         }
         free(h);
     }
+    team_scratch_free(&scratch);
     return err;
 }
 

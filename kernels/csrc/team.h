@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 
 typedef struct {
     _Atomic int arrived;
@@ -41,6 +42,49 @@ static inline void team_barrier_wait(team_barrier* b, int members) {
         else
             sched_yield();
     }
+}
+
+/* Scratch for the work a team shares inside one parallel region, kept across the region's calls (the fused
+   step's thirty attention calls a token) so that none allocates: one buffer every member reads, grown by member
+   0 before a barrier, and one buffer per member. Initialised before the region for up to `members` threads
+   (omp_get_max_threads()), freed after it; `bar` is the team's barrier. */
+typedef struct {
+    team_barrier* bar;
+    int members;
+    int failed; /* member 0 could not grow `shared`: written before a barrier, read after it */
+    float* shared;
+    size_t shared_cap;
+    float** own;
+    size_t* own_cap;
+} team_scratch;
+
+/* 0, or -1 where the per-member tables could not be allocated */
+static inline int team_scratch_init(team_scratch* t, team_barrier* bar, int members) {
+    t->bar = bar;
+    t->members = members;
+    t->failed = 0;
+    t->shared = NULL;
+    t->shared_cap = 0;
+    t->own = (float**)calloc((size_t)members, sizeof(float*));
+    t->own_cap = (size_t*)calloc((size_t)members, sizeof(size_t));
+    return t->own && t->own_cap ? 0 : -1;
+}
+
+/* *buf with room for `need` floats (grown, contents not kept), or NULL where memory ran out */
+static inline float* team_scratch_grow(float** buf, size_t* cap, size_t need) {
+    if (need > *cap) {
+        free(*buf);
+        *buf = (float*)malloc(sizeof(float) * need);
+        *cap = *buf ? need : 0;
+    }
+    return *buf;
+}
+
+static inline void team_scratch_free(team_scratch* t) {
+    for (int i = 0; t->own && i < t->members; i++) free(t->own[i]);
+    free(t->own);
+    free(t->own_cap);
+    free(t->shared);
 }
 
 #endif
