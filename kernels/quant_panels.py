@@ -29,7 +29,10 @@ from kernels.quant import QuantizedWeight
 PANEL = 16
 SOURCES = ("quant_gemm.c",)
 FMT = {"int8": 0, "int4": 1}
-ARENA_MIN_BYTES = 1 << 20  # smaller packs (tests, tiny models) are ordinary tensors
+# Kept packs of at least this many bytes go to the arena: every projection of a 135M model, whose int4 codes are
+# 166-885 KB (a threshold of 1 MB had left all of them, and their scales, in 4 KiB pages: single-stream w4a8
+# decode 1.09x, alternated). Smaller ones (tests' tiny models) are ordinary tensors.
+ARENA_MIN_BYTES = 64 << 10
 _arena = hugepages.Arena()  # panels kept for the model's life, in huge pages (kernels/hugepages.py says why)
 
 
@@ -119,9 +122,9 @@ class Panels:
         return self.codes[ids // PANEL, :, ids % PANEL].float() * self.scales[ids][:, None]
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return _arena.empty(shape, dtype) if huge and nbytes >= ARENA_MIN_BYTES else torch.empty(shape, dtype=dtype)
+def _kept(t: torch.Tensor, arena: bool) -> torch.Tensor:
+    """``t``, copied into the arena where ``arena``."""
+    return _arena.empty(tuple(t.shape), t.dtype).copy_(t) if arena else t.contiguous()
 
 
 def _panel_major(t: torch.Tensor, np_: int) -> torch.Tensor:
@@ -140,7 +143,7 @@ def pack(q: QuantizedWeight, huge: bool = False) -> Panels:
         codes = _panel_major(q.codes, np_)
         scales = torch.zeros(np_ * PANEL)
         scales[:n] = q.scale
-        return Panels("int8", n, k, 0, _alloc(tuple(codes.shape), torch.int8, huge).copy_(codes), scales)
+        return Panels("int8", n, k, 0, _kept(codes, huge and codes.numel() >= ARENA_MIN_BYTES), scales)
     assert q.fmt == "int4" and q.zero is not None and k % 2 == 0
     c = _panel_major(q.codes, np_).reshape(np_, k // 2, 2, PANEL)
     packed = c[:, :, 0] | (c[:, :, 1] << 4)
@@ -149,7 +152,8 @@ def pack(q: QuantizedWeight, huge: bool = False) -> Panels:
     sz = torch.stack((_panel_major(q.scale, np_), _panel_major(offset64.float(), np_)), dim=2).contiguous()
     if _fits_half(q.scale, offset64, q.zero):
         sz = sz.half()
-    return Panels("int4", n, k, q.group_size, _alloc(tuple(packed.shape), torch.uint8, huge).copy_(packed), sz)
+    arena = huge and packed.numel() >= ARENA_MIN_BYTES  # the scales too: read beside the codes, a quarter of their bytes
+    return Panels("int4", n, k, q.group_size, _kept(packed, arena), _kept(sz, arena))
 
 
 def _fits_half(scale: torch.Tensor, offset: torch.Tensor, zero: torch.Tensor) -> bool:

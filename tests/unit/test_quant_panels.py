@@ -411,3 +411,24 @@ def test_float16_scales_only_where_they_change_nothing():
         _check(quant_panels.matmul(x, p), x.double() @ w.double().t(), x, w)
     assert quant_panels.pack(_quantized("int4", 32, 20, 64, tiny=False)).nbytes < quant_panels.pack(
         _quantized("int4", 32, 20, 64, tiny=True)).nbytes
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_kept_pack_of_the_default_models_smallest_projection_is_in_the_huge_page_arena(fmt, monkeypatch):
+    """SmolLM2's o projection (576 x 576) packed to keep: its codes, and an int4 pack's scales (read beside them),
+    are carved from the arena (huge pages; 4 KiB pages cost the quantised step 1.08-1.16x), one after another; a
+    throw-away pack (huge=False) is not."""
+    from kernels.hugepages import Arena
+
+    arena = Arena()
+    monkeypatch.setattr(quant_panels, "_arena", arena)  # a fresh one: earlier models may have filled a chunk
+    q = quant.quantize(_weight(576, 576, 32), fmt, 0 if fmt == "int8" else 32)
+    kept, loose = quant_panels.pack(q, huge=True), quant_panels.pack(q)
+    chunk = arena._chunk.untyped_storage().data_ptr()
+    assert kept.codes.untyped_storage().data_ptr() == chunk
+    assert loose.codes.untyped_storage().data_ptr() != chunk
+    if fmt == "int4":
+        assert kept.scales.untyped_storage().data_ptr() == chunk
+        torch.testing.assert_close(kept.scales, loose.scales, rtol=0, atol=0)
+    torch.testing.assert_close(kept.codes, loose.codes, rtol=0, atol=0)
+
