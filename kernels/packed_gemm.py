@@ -55,8 +55,8 @@ def available() -> bool:
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Kept packs of at least this many bytes go to the arena: every projection of a 135M model (a threshold of 1 MB
-# had left its 663 KB bfloat16 o projection in 4 KiB pages, streaming at 0.6x the others). Smaller ones (tests'
-# tiny models) are ordinary tensors.
+# had left its 663 KB bfloat16 o projection in 4 KiB pages, streaming at 0.6x the others; the step 1.01-1.04x).
+# Smaller ones (tests' tiny models) are ordinary tensors.
 ARENA_MIN_BYTES = 64 << 10
 _arena = hugepages.Arena()  # the model's packed weights, in huge pages (kernels/hugepages.py says why)
 

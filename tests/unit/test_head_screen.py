@@ -47,6 +47,23 @@ def test_the_bound_holds_for_every_column(dtype):
     assert head_screen.head_screen(panels, 70) is screen  # cached per panels tensor
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_heads_screen_is_in_huge_pages(dtype, monkeypatch):
+    """The screen is read whole at every greedy step, so a head's worth of it lives in huge pages as the weights
+    do: a float32 head's bfloat16 copy in a 2 MiB-aligned huge-page mapping, a bfloat16 head's int8 codes
+    carved from the quantised panels' arena."""
+    from kernels import hugepages, quant_panels
+
+    arena = hugepages.Arena()
+    monkeypatch.setattr(quant_panels, "_arena", arena)
+    w = torch.randn(4000, 576, generator=torch.Generator().manual_seed(9)).to(dtype)  # 4.6-9.2 MB of panels
+    screen = head_screen.head_screen(packed_gemm.pack(w), 4000)
+    if dtype == torch.float32:
+        assert screen.weight.data_ptr() % hugepages.HUGE_PAGE == 0
+    else:
+        assert screen.weight.untyped_storage().data_ptr() == arena._chunk.untyped_storage().data_ptr()
+
+
 def _head_only_step(path, weight: torch.Tensor):
     """The fused step of a tiny model with no layers run (L = 0: the rows go straight to the final norm) and
     ``weight`` [n, H] (float32 or bfloat16) as its head, screened."""
