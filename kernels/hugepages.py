@@ -6,7 +6,8 @@ the pool with 2 MiB pages made the CPU decode-attention kernel 10-20% faster her
 `transparent_hugepage=madvise`). A decode step also streams every weight once, and the hardware prefetchers
 stop at each 4 KiB page boundary: the packed weights kept by the GEMM planner live in huge pages too
 (:class:`Arena`, which carves many weights out of shared mappings so none rounds up to a page of its own):
-single-stream decode 1.13x with bfloat16 weights, no measurable change with float32 (docs/BENCHMARKS.md).
+single-stream decode 1.13x with bfloat16 weights, no measurable change with float32; the quantised panels with
+their scales 1.08-1.16x, the greedy head screen 1.02-1.03x (docs/BENCHMARKS.md).
 Where THP is off, or not Linux, these are ordinary allocations.
 """
 
