@@ -34,10 +34,6 @@ from kernels import hugepages, quant, quant_panels
 
 CHUNK = 256  # panels per float64 pass of the bounds (bounded temporaries)
 U = 2.0**-24  # float32's unit roundoff
-# The screen is read whole at every greedy step (28-56 MB for SmolLM2), so it lives in huge pages as the weights
-# do (kernels/hugepages.py says why): from 4 KiB pages, greedy single-stream decode ran 1.02-1.03x slower
-# (bfloat16 and float32, two engines stepped alternately). False: ordinary tensors (for that comparison).
-HUGE = True
 
 _screens: dict[int, HeadScreen] = {}  # by id of the head's panels, dropped with them
 
@@ -78,13 +74,15 @@ def head_screen(panels: torch.Tensor, n: int) -> HeadScreen:
     if cached is not None:
         return cached
     if panels.dtype == torch.float32:
-        rounded = (hugepages.zeros(tuple(panels.shape), torch.bfloat16) if HUGE else torch.empty_like(panels,
-                   dtype=torch.bfloat16)).copy_(panels)
+        # the screen is read whole at every greedy step (28-56 MB for SmolLM2), so it lives in huge pages as the
+        # weights do (kernels/hugepages.py says why): from 4 KiB pages, greedy single-stream decode ran 1.02-1.03x
+        # slower (bfloat16 and float32, two engines stepped alternately)
+        rounded = hugepages.zeros(tuple(panels.shape), torch.bfloat16).copy_(panels)
         screen = HeadScreen("bfloat16", rounded, None, _bounds(panels, lambda s: rounded[s].double(), 0.0, n))
     else:
         width = panels.shape[2]
         rows = panels.float().transpose(1, 2).reshape(-1, panels.shape[1])[:n]
-        packed = quant_panels.pack(quant.quantize(rows, "int8"), huge=HUGE)
+        packed = quant_panels.pack(quant.quantize(rows, "int8"), huge=True)
         scales = packed.scales.view(-1, 1, width).double()
         screen = HeadScreen("int8", packed.codes, packed.scales,
                             _bounds(panels, lambda s: packed.codes[s].double() * scales[s], 2 * U, n))
