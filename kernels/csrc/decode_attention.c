@@ -680,17 +680,24 @@ static void vector_share(int kind, const decode_args* a, int per, int* err) {
    then reads every row's slice of its head, strided: 1.7x slower per byte than whole rows (python -m
    bench.cpu_kernels decode-long). Split instead, each item reads whole rows of one stretch of a sequence: two
    stretches a sequence, or more where that leaves a thread without one (one item per thread), each at least
-   SPLIT_MIN positions; the parts' softmax partials are merged. Few items, not several a thread for balance:
-   every item starts its prefetch stream cold, and in the fused step (two threads, alternated in one engine,
+   the shortest stretch (below); the parts' softmax partials are merged. Few items, not several a thread for
+   balance: every item starts its prefetch stream cold, and in the fused step (two threads, alternated in one engine,
    docs/BENCHMARKS.md) a lone sequence's step ran 1.02-1.08x faster at 1,000-4,000 positions with two stretches
-   than with six to eight, and two or three sequences 1.02x with two stretches each than with four or three. */
-#define SPLIT_MIN 128
+   than with six to eight, and two or three sequences 1.02x with two stretches each than with four or three.
+   The shortest stretch depends on the items' path, as measured in the fused step (docs/BENCHMARKS.md, sessions
+   31 and 32): the AVX2 items' strided head reads cost more, so short contexts split from 32 positions a
+   stretch (Zen 3, 64-250 positions: one or two sequences 1.01-1.05x at every dtype against 128), while the
+   AVX-512 items gained nothing below 128 (Zen 4: 0.98-1.005x at 32 or 64). */
+#define SPLIT_MIN_512 128
+#define SPLIT_MIN_AVX2 32
 #define MAX_PARTS 64
 static int context_parts(const decode_args* a, int threads) {
     if (!use_split || a->S >= 4 * threads || a->Hq > MAX_HEADS) return 1;
+    const int wide = INFERQ_HAVE_AVX512 && use_avx512 && (a->D / 8) % 2 == 0; /* vector_item's choice */
+    const int shortest = wide ? SPLIT_MIN_512 : SPLIT_MIN_AVX2;
     int parts = (threads + a->S - 1) / a->S;
     if (parts < 2) parts = 2;
-    if (parts > a->max_len / SPLIT_MIN) parts = a->max_len / SPLIT_MIN;
+    if (parts > a->max_len / shortest) parts = a->max_len / shortest;
     if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts * a->S > threads) parts -= (parts * a->S) % threads / a->S; /* whole rounds of items where it can */
     return parts < 2 ? 1 : parts;

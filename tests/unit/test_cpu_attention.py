@@ -397,6 +397,30 @@ def test_few_long_sequences_split_over_the_threads(dtype, lens, path):
     assert not torch.equal(split, whole)
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
+def test_short_contexts_split_on_the_avx2_items_only(path):
+    """The shortest stretch depends on the items' path (decode_attention.c's context_parts): a lone sequence
+    of 100 positions is split into two stretches on the AVX2 path (64 or more positions), where its
+    strided kv-head items measured slower, and left whole on the AVX-512 one (256 or more); a 40-position one
+    is whole on both. Split or not, the result is the reference's."""
+    if path == "avx512" and not cpu_attention.has_avx512():
+        pytest.skip("no AVX-512 path on this CPU")
+    hq, hkv, d, bs = 9, 3, 64, 16
+    for n, split_expected in ((100, path == "avx2"), (40, False)):
+        query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, torch.bfloat16, [n], seed=n)
+        args = (query, kc, vc, tables, seq_lens, n, d ** -0.5)
+        try:
+            got = _decode_on(path, *args)
+            cpu_attention.use_split(False)
+            whole = _decode_on(path, *args)
+        finally:
+            cpu_attention.use_split(True)
+        expected = reference.paged_attention(query, _widened(kc), _widened(vc), tables, seq_lens,
+                                             torch.arange(2, dtype=torch.int32), d ** -0.5)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        assert torch.equal(got, whole) != split_expected, (n, path)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["f32", "bf16", "int8"])
 @pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
 def test_scores_that_rise_along_the_context(dtype, path):
