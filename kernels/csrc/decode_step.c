@@ -75,6 +75,7 @@ int prefill_team(int kind, const float* q, int64_t q_ts, int64_t q_hs, const voi
                  float* out, int64_t o_ts, int64_t o_hs, int S, int Hq, int Hkv, int D, int bs, float scale,
                  int64_t* first);
 void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps);
+void rms_norm_rows_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps);
 void rope_interleaved_f32(float* x, int64_t xs, const float* rot, int64_t rs, int T, int heads, int half);
 void silu_mul_to_f32(const float* gu, int64_t rs, float* out, int64_t os, int T, int inter);
 
@@ -390,7 +391,7 @@ int decode_step(const step_args* a) {
         PHASE_START();
         for (int l = 0; l < a->L && !err; l++) { /* err is read by all after a barrier: the same in every thread */
             const step_layer* w = a->layers + l;
-            rms_norm_f32(a->x, H, w->input_norm, h, H, M, H, a->eps);
+            rms_norm_rows_f32(a->x, H, w->input_norm, h, H, M, H, a->eps);
             PHASE(PH_NORM);
             product(&w->qkv, h, H, a->qkv, nqkv, M, nqkv, H, 0);
             PHASE(PH_QKV);
@@ -413,7 +414,7 @@ int decode_step(const step_args* a) {
             PHASE(PH_O);
             team_barrier_wait(&bar, members);
             PHASE(PH_WAIT_O);
-            rms_norm_f32(a->x, H, w->post_norm, h, H, M, H, a->eps);
+            rms_norm_rows_f32(a->x, H, w->post_norm, h, H, M, H, a->eps);
             PHASE(PH_NORM);
             product(&w->gate_up, h, H, a->gu, 2 * I, M, 2 * I, H, 0);
             PHASE(PH_GATE_UP);
@@ -429,7 +430,7 @@ int decode_step(const step_args* a) {
         if (a->head.w && !err) {
             for (int r = 0; r < a->R; r++) {
                 const int64_t row = a->rows ? a->rows[r] : r;
-                rms_norm_f32(a->x + row * H, H, a->final_norm, h + (int64_t)r * H, H, 1, H, a->eps);
+                rms_norm_rows_f32(a->x + row * H, H, a->final_norm, h + (int64_t)r * H, H, 1, H, a->eps);
             }
             if (a->screen.w) {
                 product(&a->screen, h, H, a->logits, a->V, a->R, a->V, H, 0);

@@ -58,13 +58,19 @@ static void scale_row(const float* x, const float* w, float* y, int H, float r) 
 }
 
 /* Rows x[t * xs : t * xs + H] -> y[t * ys : ...], t < T; x and y may be the same rows. */
+static void norm_row(const float* x, const float* w, float* y, int H, float eps) {
+    scale_row(x, w, y, H, 1.0f / sqrtf(sum_squares(x, H) / (float)H + eps));
+}
+
 void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps) {
     #pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
-    for (int t = 0; t < T; t++) {
-        const float* xr = x + (int64_t)t * xs;
-        const float r = 1.0f / sqrtf(sum_squares(xr, H) / (float)H + eps);
-        scale_row(xr, w, y + (int64_t)t * ys, H, r);
-    }
+    for (int t = 0; t < T; t++) norm_row(x + (int64_t)t * xs, w, y + (int64_t)t * ys, H, eps);
+}
+
+/* The same on the calling thread alone: decode_step.c's team members, each norming the rows it reads. Called
+   there, rms_norm_f32's parallel-for starts a nested team of one for every norm, even when its `if` is false. */
+void rms_norm_rows_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps) {
+    for (int t = 0; t < T; t++) norm_row(x + (int64_t)t * xs, w, y + (int64_t)t * ys, H, eps);
 }
 
 /* bfloat16 rows and weight (the bfloat16 forward on CPUs with native bfloat16 matmuls): float32 sums and
