@@ -49,7 +49,7 @@ def build(defines: dict[str, object] | None = None) -> ctypes.CDLL | None:
         return None
     for name in ("has_avx512", "has_simd", "has_prefill"):
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("set_avx512", "set_generic", "set_split"):
+    for name in ("set_avx512", "set_generic", "set_split", "set_head_groups"):
         getattr(lib, name).argtypes = [ctypes.c_int]
         getattr(lib, name).restype = None
     for name, argtypes in (("decode_f32", _ARGTYPES), ("decode_bf16", _ARGTYPES), ("decode_i8", _ARGTYPES),
@@ -102,6 +102,15 @@ def use_split(on: bool) -> None:
     lib = load()
     if lib is not None:
         lib.set_split(1 if on else 0)
+
+
+def use_head_groups(on: bool) -> None:
+    """Let the AVX2 decode passes take a kv head's query heads together (default: each K and V chunk loaded once
+    for up to 3 of them), or one at a time: for tests (equal results) and side-by-side timings. This library's
+    switch only, as :func:`use_split`'s."""
+    lib = load()
+    if lib is not None:
+        lib.set_head_groups(1 if on else 0)
 
 
 def use_generic(on: bool) -> None:

@@ -397,6 +397,25 @@ def test_few_long_sequences_split_over_the_threads(dtype, lens, path):
     assert not torch.equal(split, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, kv_quant.FP8_ROWS],
+                         ids=["f32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (14, 2), (10, 2), (4, 4)])
+def test_avx2_head_groups_give_the_one_head_results(dtype, hq, hkv):
+    """The AVX2 passes load each K and V chunk once for up to 3 query heads of its kv head (groups of 3, 2 where 4
+    are left, one alone): every dot product and weighted sum is formed in the one-head order, so the results are
+    equal bit for bit, on whole kv-head items and on split contexts, ragged lengths, head dims of 4-16 chunks."""
+    for d, lens in ((64, [100]), (128, [1500]), (80, [5, 9, 300, 1])):
+        query, kc, vc, tables, seq_lens = _case(hq, hkv, d, 16, dtype, lens, seed=hq * d + len(lens))
+        args = (query, kc, vc, tables, seq_lens, max(lens), d ** -0.5)
+        try:
+            grouped = _decode_on("avx2", *args)
+            cpu_attention.use_head_groups(False)
+            alone = _decode_on("avx2", *args)
+        finally:
+            cpu_attention.use_head_groups(True)
+        assert torch.isfinite(grouped).all()
+        assert torch.equal(grouped, alone), (d, lens)
+
 @pytest.mark.parametrize("path", ["avx512", "avx2"])
 def test_short_contexts_split_on_the_avx2_items_only(path):
     """The shortest stretch depends on the items' path (decode_attention.c's context_parts): a lone sequence
