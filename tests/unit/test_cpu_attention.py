@@ -231,6 +231,17 @@ INT8_TOL = {"atol": 1e-5, "rtol": 1e-5}
 QUANTIZED = pytest.mark.parametrize("qdtype", [torch.int8, kv_quant.FP8_ROWS], ids=["int8", "fp8"])
 
 
+def _on_and_off(switch, path, *args):
+    """The kernel's result on ``path`` with a cpu_attention switch (use_split, use_head_groups) on, its default,
+    and off."""
+    on = _decode_on(path, *args)
+    switch(False)
+    try:
+        return on, _decode_on(path, *args)
+    finally:
+        switch(True)
+
+
 def _decode_on(path, *args):
     """cpu_attention.decode_attention forced onto one path: "avx512", "avx2" or "scalar"."""
     cpu_attention.use_generic(path == "scalar")
@@ -383,12 +394,7 @@ def test_few_long_sequences_split_over_the_threads(dtype, lens, path):
     hq, hkv, d, bs = 9, 3, 64, 16
     query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, dtype, lens, seed=len(lens) * 13 + max(lens))
     args = (query, kc, vc, tables, seq_lens, max(lens), d ** -0.5)
-    try:
-        split = _decode_on(path, *args)
-        cpu_attention.use_split(False)
-        whole = _decode_on(path, *args)
-    finally:
-        cpu_attention.use_split(True)
+    split, whole = _on_and_off(cpu_attention.use_split, path, *args)
     expected = reference.paged_attention(query, _widened(kc), _widened(vc), tables, seq_lens,
                                          torch.arange(len(lens) + 1, dtype=torch.int32), d ** -0.5)
     assert torch.isfinite(split).all()
@@ -407,14 +413,10 @@ def test_avx2_head_groups_give_the_one_head_results(dtype, hq, hkv):
     for d, lens in ((64, [100]), (128, [1500]), (80, [5, 9, 300, 1])):
         query, kc, vc, tables, seq_lens = _case(hq, hkv, d, 16, dtype, lens, seed=hq * d + len(lens))
         args = (query, kc, vc, tables, seq_lens, max(lens), d ** -0.5)
-        try:
-            grouped = _decode_on("avx2", *args)
-            cpu_attention.use_head_groups(False)
-            alone = _decode_on("avx2", *args)
-        finally:
-            cpu_attention.use_head_groups(True)
+        grouped, alone = _on_and_off(cpu_attention.use_head_groups, "avx2", *args)
         assert torch.isfinite(grouped).all()
         assert torch.equal(grouped, alone), (d, lens)
+
 
 @pytest.mark.parametrize("path", ["avx512", "avx2"])
 def test_short_contexts_split_on_the_avx2_items_only(path):
@@ -428,12 +430,7 @@ def test_short_contexts_split_on_the_avx2_items_only(path):
     for n, split_expected in ((100, path == "avx2"), (40, False)):
         query, kc, vc, tables, seq_lens = _case(hq, hkv, d, bs, torch.bfloat16, [n], seed=n)
         args = (query, kc, vc, tables, seq_lens, n, d ** -0.5)
-        try:
-            got = _decode_on(path, *args)
-            cpu_attention.use_split(False)
-            whole = _decode_on(path, *args)
-        finally:
-            cpu_attention.use_split(True)
+        got, whole = _on_and_off(cpu_attention.use_split, path, *args)
         expected = reference.paged_attention(query, _widened(kc), _widened(vc), tables, seq_lens,
                                              torch.arange(2, dtype=torch.int32), d ** -0.5)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
