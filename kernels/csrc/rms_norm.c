@@ -57,11 +57,11 @@ static void scale_row(const float* x, const float* w, float* y, int H, float r) 
     for (; i < H; i++) y[i] = (x[i] * r) * w[i];
 }
 
-/* Rows x[t * xs : t * xs + H] -> y[t * ys : ...], t < T; x and y may be the same rows. */
 static void norm_row(const float* x, const float* w, float* y, int H, float eps) {
     scale_row(x, w, y, H, 1.0f / sqrtf(sum_squares(x, H) / (float)H + eps));
 }
 
+/* Rows x[t * xs : t * xs + H] -> y[t * ys : ...], t < T; x and y may be the same rows. */
 void rms_norm_f32(const float* x, int64_t xs, const float* w, float* y, int64_t ys, int T, int H, float eps) {
     #pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
     for (int t = 0; t < T; t++) norm_row(x + (int64_t)t * xs, w, y + (int64_t)t * ys, H, eps);
