@@ -708,6 +708,9 @@ static void item512_f8(const decode_args* a, int s, int h0, int h1, float* sc, f
 }
 #endif /* INFERQ_HAVE_AVX512 */
 
+/* Whether the vector items of head dim D are the AVX-512 ones (built, enabled, D a multiple of 16) */
+static inline int wide_items(int D) { return INFERQ_HAVE_AVX512 && use_avx512 && (D / 8) % 2 == 0; }
+
 /* one vector work item: the AVX-512 form where `wide` (built, enabled, head dim a multiple of 16), else AVX2 */
 static inline void vector_item(int kind, int wide, const decode_args* a, int s, int h0, int h1, float* sc,
                                float* acc, float* stats) {
@@ -742,7 +745,7 @@ static int vector_heads_per_item(const decode_args* a, int threads) {
 /* The vector items, shared over the team of the enclosing parallel region like generic_share. */
 static void vector_share(int kind, const decode_args* a, int per, int* err) {
     const int G = a->Hq / a->Hkv, S = a->S;
-    const int parts = a->Hkv / per, wide = INFERQ_HAVE_AVX512 && use_avx512 && (a->D / 8) % 2 == 0;
+    const int parts = a->Hkv / per, wide = wide_items(a->D);
     const unsigned int csr = flush_denormals(); /* results differ from IEEE by < 1e-38 */
     const int lp = ((a->max_len > 0 ? a->max_len : 1) + 7) / 8 * 8;
     float* sc = (float*)malloc(sizeof(float) * (size_t)(per * G) * (size_t)lp);
@@ -780,8 +783,7 @@ static void vector_share(int kind, const decode_args* a, int per, int* err) {
 #define MAX_PARTS 64
 static int context_parts(const decode_args* a, int threads) {
     if (!use_split || a->S >= 4 * threads || a->Hq > MAX_HEADS) return 1;
-    const int wide = INFERQ_HAVE_AVX512 && use_avx512 && (a->D / 8) % 2 == 0; /* vector_item's choice */
-    const int shortest = wide ? SPLIT_MIN_512 : SPLIT_MIN_AVX2;
+    const int shortest = wide_items(a->D) ? SPLIT_MIN_512 : SPLIT_MIN_AVX2;
     int parts = (threads + a->S - 1) / a->S;
     if (parts < 2) parts = 2;
     if (parts > a->max_len / shortest) parts = a->max_len / shortest;
@@ -831,7 +833,7 @@ static void merge_parts(const decode_args* a, int parts, const float* part_out, 
    alternated in one engine). */
 static void split_share(int kind, const decode_args* a, int parts, team_scratch* ts, int* err) {
     const int S = a->S, Hq = a->Hq, D = a->D, bs = a->c.bs, me = omp_get_thread_num(), members = omp_get_num_threads();
-    const int wide = INFERQ_HAVE_AVX512 && use_avx512 && (D / 8) % 2 == 0;
+    const int wide = wide_items(D);
     const int lp = (part_size(a->max_len, parts, bs) + 7) / 8 * 8;
     if (me == 0) /* [S, parts, Hq, D] part outputs, then [S, parts, Hq, 2] their (max, sum) */
         ts->failed = !team_scratch_grow(&ts->shared, &ts->shared_cap, (size_t)S * parts * Hq * (D + 2));
