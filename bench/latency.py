@@ -143,6 +143,7 @@ def weight_streaming(model, repeats: int = 5) -> dict | None:
 
     if _quantized(model):  # the float panels' kernel; quantised panels have kernels of their own
         return None
+    # "split-k": the accumulator sets as chosen here (kernels/stream_prefetch.py; SPLIT_K's unless measured)
     builds = {"split-k": packed_gemm._load(), "one accumulator set": packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})}
     if any(lib is None for lib in builds.values()):
         return None
@@ -677,7 +678,8 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
         from kernels import stream_prefetch
 
         result["dtypes"][dtype] = {"breakdown": rows, "streams": streams, "read_gbs": read_gbs,
-                                   "weight_streaming": streaming, "prefetch_ahead": stream_prefetch.chosen()}
+                                   "weight_streaming": streaming, "prefetch_ahead": stream_prefetch.chosen(),
+                                   "k_sets": stream_prefetch.chosen_sets()}
         log(report_dtype(dtype, result["dtypes"][dtype], read_gbs))
     result["targets"] = _targets(result)
     result["elapsed_s"] = time.perf_counter() - t_start
@@ -790,6 +792,8 @@ def report_dtype(dtype: str, d: dict, bandwidth: float) -> str:
         f"batch 1, projections' read rate (GB/s): {proj}",
         *[f"decode tiles' prefetch distance, {kind} panels (bytes ahead by rows 0-12; kernels/stream_prefetch.py): "
           f"{table}" for kind, table in d.get("prefetch_ahead", {}).items()],
+        *[f"decode tiles' accumulator sets, {kind} panels (by rows; measured, kernels/stream_prefetch.py): {sets}"
+          for kind, sets in d.get("k_sets", {}).items()],
         common.table(streams, [("engine", "engine"), ("requests", "requests"), ("output_tokens", "output tokens"),
                                ("decode_tok_s", "decode tok/s"), ("tpot_p50_ms", "TPOT p50 ms"),
                                ("tpot_p95_ms", "TPOT p95 ms"), ("ttft_p50_ms", "TTFT p50 ms"),

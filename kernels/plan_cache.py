@@ -88,6 +88,12 @@ def use(directory: Path | None) -> None:
             _active = PlanCache(Path(directory))
 
 
+def active() -> bool:
+    """Whether plans are kept in a file (shared by this machine's processes) rather than measured per process."""
+    with _lock:
+        return _active is not None
+
+
 def lookup(planner: str, key: tuple) -> Any | None:
     with _lock:
         return _active.get(planner, key) if _active is not None else None

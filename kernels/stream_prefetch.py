@@ -15,11 +15,26 @@ Every library built from ``packed_gemm.c`` (the packed GEMM's own and the fused 
 reads) them and applies them to every library registered so far. A measurement is a snapshot of a machine
 whose memory behaviour changes within minutes, so :class:`OnlineTuner` keeps checking it while the fused
 decode step runs, and :func:`adopt` takes what it finds.
+
+The same pass picks how many accumulator sets a float32 tile of one to three rows splits k over
+(packed_gemm.c's ``k_sets``: 1, 2 or 4), timed before the distances, which then run with it. Several sets keep
+one FMA chain's latency from pacing the stream; on a Xeon with AMX one set streamed float32 faster (the fused
+step 1.17x, this probe agreeing). bfloat16 panels keep the kernels' sets: there this probe and the fused step
+disagreed (one set 1.05-1.1x faster here, 0.93-0.96x there), and a choice the probe cannot judge is not made.
+The count changes the sums' rounding, so it is only chosen where a plan file shares it with every process on
+the machine (without one, processes measuring apart could round differently: they keep the default), is
+applied to every library alike, and is never re-tuned while serving.
+
+The probe reads from memory, not from the last-level cache: its passes walk a ring of panels larger than this
+CPU's L3 (sysfs says how large; one Xeon here had 480 MiB, which held the old 96 MB probe whole, so every
+distance was judged on cache reads at 50 GB/s, not the 30 GB/s a model's step streams at).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import glob
 import logging
 import statistics
 import threading
@@ -34,21 +49,29 @@ CANDIDATES = (0, 2048, 4096, 8192, 16384)  # bytes ahead (0: none); 4096 is the 
 DEFAULT = 4096
 PROBE_ROWS = (1, 2, 4, 8)  # row counts timed; the others take the nearest timed one at or above them
 MAX_ROWS = 12  # packed_gemm.c's AHEAD_ROWS
-PROBE_BYTES = 96 << 20  # the weights one timing pass reads: past a VM's L3, so the stream comes from memory
+PROBE_BYTES = 96 << 20  # the weights one timing pass reads (the ring they are read from: _ring_bytes)
 ROUNDS = 12
 MARGIN = 0.01  # a distance replaces the default only where it is this much faster (medians of paired ratios)
+SETS_ROWS = (1, 2, 3)  # the row counts whose tiles may split k (packed_gemm.c's k_sets)
+SETS = (1, 2, 4)  # accumulator sets a tile may take (at most the build's max_k_sets)
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _libs: list[ctypes.CDLL] = []
 _tables: dict[bool, list[int]] = {}  # bf16 -> bytes ahead for rows 0..MAX_ROWS
+_sets: dict[bool, dict[int, int]] = {}  # bf16 -> accumulator sets by row count in SETS_ROWS
 
 
 def bind(lib: ctypes.CDLL) -> None:
-    """Declare the table's setter and getter on a library built from packed_gemm.c."""
+    """Declare the tables' setters and getters on a library built from packed_gemm.c."""
     lib.set_prefetch_ahead.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     lib.get_prefetch_ahead.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.get_prefetch_ahead.restype = ctypes.c_int64
+    lib.set_k_sets.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.get_k_sets.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.get_k_sets.restype = ctypes.c_int
+    lib.max_k_sets.argtypes = [ctypes.c_int]
+    lib.max_k_sets.restype = ctypes.c_int
 
 
 def register(lib: ctypes.CDLL) -> None:
@@ -56,6 +79,8 @@ def register(lib: ctypes.CDLL) -> None:
     bind(lib)
     with _lock:
         _libs.append(lib)
+        for bf16, sets in _sets.items():
+            _apply_sets(lib, bf16, sets)
         for bf16, table in _tables.items():
             _apply(lib, bf16, table)
 
@@ -74,6 +99,15 @@ def ensure(dtype: torch.dtype) -> list[int] | None:
     with _lock:
         if bf16 in _tables:
             return _tables[bf16]
+        sets = _sets_from_plan(plan_cache.lookup("k_sets", key), lib)
+        if sets is None and not bf16 and plan_cache.active():
+            sets = measure_sets(lib, bf16)
+            plan_cache.store("k_sets", key, [sets[r] for r in SETS_ROWS])
+            log.info("decode tiles' accumulator sets measured for %s panels: %s by rows", key[0], sets)
+        if sets is not None:
+            _sets[bf16] = sets
+            for each in {id(x): x for x in (*_libs, lib)}.values():  # before the distances are timed
+                _apply_sets(each, bf16, sets)
         table = plan_cache.lookup("stream_prefetch", key)
         if not _valid(table):
             table = _table(measure(lib, bf16))
@@ -110,6 +144,21 @@ def _apply(lib: ctypes.CDLL, bf16: bool, table: list[int]) -> None:
         lib.set_prefetch_ahead(int(bf16), rows, ahead)
 
 
+def _apply_sets(lib: ctypes.CDLL, bf16: bool, sets: dict[int, int]) -> None:
+    for rows, count in sets.items():  # (a build that takes fewer, e.g. INFERQ_NO_SPLIT_K, keeps its own)
+        lib.set_k_sets(int(bf16), rows, count)
+
+
+def _sets_from_plan(kept, lib: ctypes.CDLL) -> dict[int, int] | None:
+    """The sets a plan file holds ([count for rows in SETS_ROWS]), where each is one this build takes."""
+    if not (isinstance(kept, list) and len(kept) == len(SETS_ROWS)):
+        return None
+    sets = dict(zip(SETS_ROWS, kept, strict=True))
+    if not all(isinstance(c, int) and c in SETS and c <= lib.max_k_sets(r) for r, c in sets.items()):
+        return None
+    return sets
+
+
 def _table(best: dict[int, int]) -> list[int]:
     """Bytes ahead for rows 0..MAX_ROWS from the timed row counts: each takes the nearest timed count at or
     above it (the largest beyond them)."""
@@ -120,43 +169,107 @@ def _table(best: dict[int, int]) -> list[int]:
     return table
 
 
-def measure(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS) -> dict[int, int]:
-    """The best distance per row count in PROBE_ROWS: each candidate's pass over PROBE_BYTES of panels timed
-    against the default's in the same round (the order rotated each round), the median ratio per candidate;
-    the fastest wins where it beats the default by MARGIN."""
+def l3_bytes() -> int:
+    """The largest CPU cache sysfs reports (the last level), 0 where it reports none."""
+    sizes = []
+    for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(entry).read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
+
+
+def _ring_bytes() -> int:
+    """The panels a probe's passes walk: at least two passes, and half as much again as the L3, so a pass never
+    finds the panels it reads still cached from an earlier one."""
+    return max(2 * PROBE_BYTES, (l3_bytes() * 3 // 2 + PROBE_BYTES - 1) // PROBE_BYTES * PROBE_BYTES)
+
+
+def _probe(lib: ctypes.CDLL, bf16: bool):
+    """A function running one timing pass (PROBE_BYTES of [2048, 1024] panels in huge pages, the next stretch of
+    a ring past the L3 each call) at ``rows`` rows: seconds taken."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     n, k = 2048, 1024
     one = n * k * (2 if bf16 else 4)
-    panels = hugepages.zeros((PROBE_BYTES // one, n // 16, k, 16), dtype)
+    per_pass = max(1, PROBE_BYTES // one)
+    panels = hugepages.zeros((max(1, _ring_bytes() // one), n // 16, k, 16), dtype)
     panels.fill_(0.5)
     x = torch.full((max(PROBE_ROWS), k), 0.25)
     y = torch.empty(max(PROBE_ROWS), n)
     product = lib.gemm_bf16 if bf16 else lib.gemm
-    saved = [lib.get_prefetch_ahead(int(bf16), r) for r in range(MAX_ROWS + 1)]
+    at = [0]
 
-    def one_pass(rows: int, ahead: int) -> float:
-        lib.set_prefetch_ahead(int(bf16), rows, ahead)
+    def one_pass(rows: int) -> float:
+        first = at[0] if at[0] + per_pass <= len(panels) else 0
+        at[0] = first + per_pass
         t0 = time.perf_counter()
-        for w in panels:
+        for w in panels[first:first + per_pass]:
             product(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n, k, 0)
         return time.perf_counter() - t0
 
-    best = {}
+    return one_pass
+
+
+def _fastest(timed, candidates: tuple[int, ...], default: int, rounds: int) -> int:
+    """The candidate whose passes (``timed(candidate)``: seconds) take the least time against the default's in
+    the same round (the order rotated each round), by the median ratio; the default unless that is MARGIN
+    faster."""
+    timed(default)  # warm
+    ratios: dict[int, list[float]] = {c: [] for c in candidates}
+    for r in range(rounds):
+        order = candidates[r % len(candidates):] + candidates[:r % len(candidates)]
+        times = {c: timed(c) for c in order}
+        for c in candidates:
+            ratios[c].append(times[c] / times[default])
+    medians = {c: statistics.median(v) for c, v in ratios.items()}
+    fastest = min(medians, key=medians.get)
+    return fastest if medians[fastest] < 1.0 - MARGIN else default
+
+
+def measure(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS) -> dict[int, int]:
+    """The best distance per row count in PROBE_ROWS: each candidate's pass over PROBE_BYTES of panels timed
+    against the default's (:func:`_fastest`), with the library's accumulator sets as they are set."""
+    one_pass = _probe(lib, bf16)
+    saved = [lib.get_prefetch_ahead(int(bf16), r) for r in range(MAX_ROWS + 1)]
+
+    def timed(rows: int, ahead: int) -> float:
+        lib.set_prefetch_ahead(int(bf16), rows, ahead)
+        return one_pass(rows)
+
     try:
-        for rows in PROBE_ROWS:
-            one_pass(rows, DEFAULT)  # warm
-            ratios: dict[int, list[float]] = {c: [] for c in CANDIDATES}
-            for r in range(rounds):
-                order = CANDIDATES[r % len(CANDIDATES):] + CANDIDATES[:r % len(CANDIDATES)]
-                times = {c: one_pass(rows, c) for c in order}
-                for c in CANDIDATES:
-                    ratios[c].append(times[c] / times[DEFAULT])
-            medians = {c: statistics.median(v) for c, v in ratios.items()}
-            fastest = min(medians, key=medians.get)
-            best[rows] = fastest if medians[fastest] < 1.0 - MARGIN else DEFAULT
+        return {rows: _fastest(functools.partial(timed, rows), CANDIDATES, DEFAULT, rounds) for rows in PROBE_ROWS}
     finally:
         for r, ahead in enumerate(saved):
             lib.set_prefetch_ahead(int(bf16), r, ahead)
+
+
+def measure_sets(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS) -> dict[int, int]:
+    """The best accumulator sets per row count in SETS_ROWS among those the build takes, the most of them (the
+    kernels' default) kept unless another is MARGIN faster (:func:`_fastest`), at the default distance."""
+    one_pass = _probe(lib, bf16)
+    saved = {r: lib.get_k_sets(int(bf16), r) for r in SETS_ROWS}
+    ahead = [lib.get_prefetch_ahead(int(bf16), r) for r in SETS_ROWS]
+
+    def timed(rows: int, sets: int) -> float:
+        lib.set_k_sets(int(bf16), rows, sets)
+        return one_pass(rows)
+
+    best = {}
+    try:
+        for rows in SETS_ROWS:
+            lib.set_prefetch_ahead(int(bf16), rows, DEFAULT)
+            candidates = tuple(c for c in SETS if c <= lib.max_k_sets(rows))
+            best[rows] = _fastest(functools.partial(timed, rows), candidates, candidates[-1], rounds)
+    finally:
+        for r in SETS_ROWS:
+            lib.set_k_sets(int(bf16), r, saved[r])
+        for r, a in zip(SETS_ROWS, ahead, strict=True):
+            lib.set_prefetch_ahead(int(bf16), r, a)
     return best
 
 
@@ -164,6 +277,12 @@ def chosen() -> dict[str, list[int]]:
     """The distances chosen so far, for logs and benchmark records: ``{"float32"|"bfloat16": [bytes by rows]}``."""
     with _lock:
         return {("bfloat16" if bf16 else "float32"): list(t) for bf16, t in _tables.items()}
+
+
+def chosen_sets() -> dict[str, dict[int, int]]:
+    """The accumulator sets chosen so far: ``{"float32"|"bfloat16": {rows: sets}}``."""
+    with _lock:
+        return {("bfloat16" if bf16 else "float32"): dict(t) for bf16, t in _sets.items()}
 
 
 @dataclass

@@ -7,9 +7,9 @@
    and broadcasts each of the mr inputs. Rows are split into near-equal tiles (M = 8 runs as 4 + 4 with AVX2,
    not 6 + 2); the panel, K x 64 bytes, stays in L1/L2 while its tiles run, and the first tile prefetches ahead
    (the next panel, or at decode sizes a few KB of its own stream), so the DRAM read overlaps the FMAs. Panels
-   are shared out over torch's OpenMP threads. Tiles of one to three rows (decode) split k over two or four sets
-   of accumulators, so FMA latency does not pace the weight stream (build option INFERQ_NO_SPLIT_K: one set, for
-   side-by-side timing).
+   are shared out over torch's OpenMP threads. Tiles of one to three rows (decode) may split k over two or four
+   sets of accumulators, so FMA latency does not pace the weight stream; how many is measured per machine
+   (k_sets below; build option INFERQ_NO_SPLIT_K: always one set, for side-by-side timing).
    Needs AVX2 + FMA (without them the caller keeps torch's GEMM). */
 #include <stdint.h>
 #include <string.h>
@@ -21,14 +21,33 @@
 #else
 
 #define PANEL 16
-/* Accumulator sets over k for a tile of MR rows: with one to three rows a single set is one FMA dependency chain
-   per register, whose latency (4 cycles; longer behind a bfloat16 widening load) rather than the memory bounds
-   how fast the weight streams. */
+/* The most accumulator sets over k a tile of MR rows may use: with one to three rows a single set is one FMA
+   dependency chain per register, whose latency (4 cycles; longer behind a bfloat16 widening load) may bound how
+   fast the weight streams rather than the memory. */
 #ifdef INFERQ_NO_SPLIT_K
 #define SPLIT_K(MR) 1
 #else
 #define SPLIT_K(MR) ((MR) == 1 ? 4 : (MR) <= 3 ? 2 : 1)
 #endif
+/* How many of those sets a tile of 1-3 rows uses, per panel element (float32, bfloat16) and row count: 1, 2 or
+   4 (at most SPLIT_K; AVX2's 16 ymm registers hold at most 2). Whether one set's FMA latency paces the stream is
+   a fact about the machine, not the code: the sets were added on a Zen 5 VM, where they streamed both elements
+   faster, while on a Xeon with AMX (session 34) one set made the fused float32 step 1.17x faster and bfloat16
+   still wanted four. So kernels/stream_prefetch.py measures them once per machine and sets them here before a
+   model's products run (MAX_SETS until then). Unlike a prefetch distance the count changes the sums' rounding,
+   so it is set once per process, the same in every library, and never changed while serving. */
+#define MAX_SETS(MR) (INFERQ_HAVE_AVX512 || SPLIT_K(MR) < 2 ? SPLIT_K(MR) : 2)
+static int k_sets[2][4] = {{1, MAX_SETS(1), MAX_SETS(2), MAX_SETS(3)}, {1, MAX_SETS(1), MAX_SETS(2), MAX_SETS(3)}};
+
+void set_k_sets(int bf16, int rows, int sets) {
+    if (rows >= 1 && rows <= 3 && (sets == 1 || sets == 2 || sets == 4) && sets <= MAX_SETS(rows))
+        k_sets[bf16 != 0][rows] = sets;
+}
+
+int get_k_sets(int bf16, int rows) { return rows >= 1 && rows <= 3 ? k_sets[bf16 != 0][rows] : 1; }
+
+/* the most sets a tile of `rows` rows can take in this build (what set_k_sets accepts) */
+int max_k_sets(int rows) { return rows >= 1 && rows <= 3 ? MAX_SETS(rows) : 1; }
 #define X_BLOCK_BYTES (192 * 1024) /* see gemm_share */
 /* How far ahead of its loads a decode-sized tile (one tile of `rows` rows a panel) prefetches in the weight's
    own stream, in bytes, per panel element (float32, bfloat16) and row count: by Little's law the lines in
@@ -51,9 +70,9 @@ int64_t get_prefetch_ahead(int bf16, int rows) {
 
 /* y[0:mr, 0:nc] (+)= x[0:mr, :] . panel^T (+ b): one register block. MR is a compile-time constant at each
    call site (always_inline), so the row loops unroll and the accumulators live in registers. */
-ALWAYS_INLINE void block(const int MR, const int BF16, const float* x, int64_t xs, const void* wv, int K, float* y,
-                         int64_t ys, const float* b, int nc, int accumulate, const char* prefetch) {
-    const int S = SPLIT_K(MR) > 2 ? 2 : SPLIT_K(MR); /* 16 ymm registers: at most 2 sets */
+ALWAYS_INLINE void block_sets(const int MR, const int S, const int BF16, const float* x, int64_t xs, const void* wv,
+                              int K, float* y, int64_t ys, const float* b, int nc, int accumulate,
+                              const char* prefetch) {
     __m256 c0[2][6], c1[2][6];
     _Pragma("GCC unroll 2") for (int s = 0; s < S; s++)
         _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) { c0[s][r] = _mm256_setzero_ps(); c1[s][r] = _mm256_setzero_ps(); }
@@ -112,6 +131,15 @@ ALWAYS_INLINE void block(const int MR, const int BF16, const float* x, int64_t x
     }
 }
 
+/* block_sets with this machine's sets for MR rows (k_sets; 16 ymm registers: at most 2) */
+ALWAYS_INLINE void block(const int MR, const int BF16, const float* x, int64_t xs, const void* wv, int K, float* y,
+                         int64_t ys, const float* b, int nc, int accumulate, const char* prefetch) {
+    if (SPLIT_K(MR) > 1 && k_sets[BF16][MR] >= 2)
+        block_sets(MR, 2, BF16, x, xs, wv, K, y, ys, b, nc, accumulate, prefetch);
+    else
+        block_sets(MR, 1, BF16, x, xs, wv, K, y, ys, b, nc, accumulate, prefetch);
+}
+
 /* One tile of rows against one panel, behind one signature for every kernel: x and y are float32, or bfloat16
    for the pair kernel; K is the reduction length. */
 typedef void (*tile_fn)(int mr, const void* x, int64_t xs, const void* w, int K, void* y, int64_t ys,
@@ -142,11 +170,9 @@ static void NAME(int mr, const void* x, int64_t xs, const void* w, int K, void* 
 /* The AVX-512 form of block(): one 16-column panel row is one zmm register, so a tile holds up to 12 rows in
    12 accumulators (each k: one weight load, 12 broadcast-FMAs), and a partial last panel is a masked store. */
 #define TILE_ROWS 12
-ALWAYS_INLINE void block512(const int MR, const int BF16, const float* x, int64_t xs,
-                                                           const void* wv, int K, float* y, int64_t ys,
-                                                           const float* b, int nc, int accumulate,
-                                                           const char* prefetch) {
-    const int S = SPLIT_K(MR);
+ALWAYS_INLINE void block512_sets(const int MR, const int S, const int BF16, const float* x, int64_t xs,
+                                 const void* wv, int K, float* y, int64_t ys, const float* b, int nc,
+                                 int accumulate, const char* prefetch) {
     __m512 c[4][TILE_ROWS];
     _Pragma("GCC unroll 4") for (int s = 0; s < S; s++)
         _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) c[s][r] = _mm512_setzero_ps();
@@ -175,6 +201,17 @@ ALWAYS_INLINE void block512(const int MR, const int BF16, const float* x, int64_
         if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, y + r * ys));
         _mm512_mask_storeu_ps(y + r * ys, m, v);
     }
+}
+/* block512_sets with this machine's sets for MR rows (k_sets) */
+ALWAYS_INLINE void block512(const int MR, const int BF16, const float* x, int64_t xs, const void* wv, int K,
+                            float* y, int64_t ys, const float* b, int nc, int accumulate, const char* prefetch) {
+    const int sets = SPLIT_K(MR) > 1 ? k_sets[BF16][MR] : 1;
+    if (SPLIT_K(MR) >= 4 && sets >= 4)
+        block512_sets(MR, 4, BF16, x, xs, wv, K, y, ys, b, nc, accumulate, prefetch);
+    else if (sets >= 2)
+        block512_sets(MR, 2, BF16, x, xs, wv, K, y, ys, b, nc, accumulate, prefetch);
+    else
+        block512_sets(MR, 1, BF16, x, xs, wv, K, y, ys, b, nc, accumulate, prefetch);
 }
 DEFINE_TILE(tile512_f32, TILE_SWITCH12, block512, 0, float)
 DEFINE_TILE(tile512_bf16, TILE_SWITCH12, block512, 1, float)

@@ -142,6 +142,25 @@ def test_fused_step_is_bit_identical_to_the_op_by_op_forward(tiny_dirs, arch, ba
             assert torch.equal(x, y), f"step {step}: max diff {(x - y).abs().max()}"
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_accumulator_set_keeps_the_fused_step_bit_identical(tiny_dirs, batch):
+    """float32 tiles of 1-3 rows with one set, as kernels/stream_prefetch.py may choose: set in the packed GEMM's
+    library and the fused step's alike, the two forwards still agree bit for bit."""
+    libs = [packed_gemm._load(), decode_step.load()]
+    saved = [{r: lib.get_k_sets(0, r) for r in stream_prefetch.SETS_ROWS} for lib in libs]
+    try:
+        for lib in libs:
+            stream_prefetch._apply_sets(lib, False, {1: 1, 2: 1, 3: 1})
+        plain, fused = fused_and_op_by_op(tiny_dirs["llama"], prompts(batch, seed=batch), head=True)
+        assert libs[1].get_k_sets(0, 1) == 1  # (loading the model kept the choice)
+        for step, (a, b) in enumerate(zip(plain, fused, strict=True)):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y), f"step {step}: max diff {(x - y).abs().max()}"
+    finally:
+        for lib, sets in zip(libs, saved, strict=True):
+            stream_prefetch._apply_sets(lib, False, sets)
+
+
 def test_bfloat16_panels_and_cache(tiny_dirs, monkeypatch):
     """bfloat16 weights under float32 arithmetic (a CPU without native bfloat16 matmul) and a bfloat16 cache:
     the fused step widens the same panels and rounds the new keys and values as the op-by-op path does."""

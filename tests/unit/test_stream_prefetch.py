@@ -31,23 +31,39 @@ def _set_tables(lib, tables: list[list[int]]) -> None:
             lib.set_prefetch_ahead(bf16, rows, ahead)
 
 
+def _sets_of(lib) -> list[list[int]]:
+    return [[lib.get_k_sets(bf16, r) for r in stream_prefetch.SETS_ROWS] for bf16 in (0, 1)]
+
+
+def _set_sets(lib, sets: list[list[int]] | None) -> None:
+    """Each panel element's accumulator sets by row count; None: the most the build takes (its default)."""
+    for bf16 in (0, 1):
+        for i, rows in enumerate(stream_prefetch.SETS_ROWS):
+            lib.set_k_sets(bf16, rows, lib.max_k_sets(rows) if sets is None else sets[bf16][i])
+
+
 @pytest.fixture
 def fresh(monkeypatch):
-    """No distances chosen yet in this process and every library's table at its defaults (a model loaded by an
-    earlier test may have set them), no libraries registered but the ones the test registers; afterwards every
-    library's table as it was."""
+    """No distances or sets chosen yet in this process and every library's tables at their defaults (a model
+    loaded by an earlier test may have set them), no libraries registered but the ones the test registers;
+    afterwards every library's tables as they were."""
     libs = [*_builds(), *stream_prefetch._libs] if packed_gemm.available() else []
-    saved = [_tables_of(lib) for lib in libs]
+    saved = [(_tables_of(lib), _sets_of(lib)) for lib in libs]
     defaults = [[stream_prefetch.DEFAULT] * (stream_prefetch.MAX_ROWS + 1)] * 2
     for lib in libs:
         _set_tables(lib, defaults)
+        _set_sets(lib, None)
     monkeypatch.setattr(stream_prefetch, "_tables", {})
+    monkeypatch.setattr(stream_prefetch, "_sets", {})
     monkeypatch.setattr(stream_prefetch, "_libs", [])
     yield
-    for lib in stream_prefetch._libs:  # built by the test
+    for lib in stream_prefetch._libs:  # built by the test (or the tuner tests' stand-ins: no sets)
         _set_tables(lib, defaults)
-    for lib, tables in zip(libs, saved, strict=True):
+        if hasattr(lib, "set_k_sets"):
+            _set_sets(lib, None)
+    for lib, (tables, sets) in zip(libs, saved, strict=True):
         _set_tables(lib, tables)
+        _set_sets(lib, sets)
 
 
 @needs_packed
@@ -82,6 +98,91 @@ def test_the_table_takes_what_it_is_given_and_no_more(fresh):
     lib.set_prefetch_ahead(0, stream_prefetch.MAX_ROWS + 1, 1)  # no such row count: ignored
     assert lib.get_prefetch_ahead(1, 3) == 8192
     assert lib.get_prefetch_ahead(0, stream_prefetch.MAX_ROWS + 1) == -1
+
+
+@needs_packed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_accumulator_set_count_is_the_product(dtype, fresh):
+    """One, two or four sets for tiles of 1-3 rows (as many as the build takes): each is the product to float32
+    rounding, on every path this CPU runs; a count the build does not take, or a row count without sets, is
+    ignored."""
+    g = torch.Generator().manual_seed(5)
+    bf16 = int(dtype == torch.bfloat16)
+    for lib in _builds():
+        fn = lib.gemm if dtype == torch.float32 else lib.gemm_bf16
+        assert [lib.max_k_sets(r) for r in (0, 1, 2, 3, 4)] == [1, 4 if lib.gemm_has_avx512() else 2, 2, 2, 1]
+        for m, n, k in [(1, 40, 37), (2, 48, 576), (3, 33, 130), (1, 100, 1536)]:
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+            packed = packed_gemm.pack(w)
+            for sets in stream_prefetch.SETS:
+                lib.set_k_sets(bf16, m, sets)
+                assert lib.get_k_sets(bf16, m) == min(sets, lib.max_k_sets(m))
+                y = torch.empty(m, n)
+                fn(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, n, k, 0)
+                torch.testing.assert_close(y, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
+            lib.set_k_sets(bf16, m, 1)
+            lib.set_k_sets(bf16, m, 3)  # no such count
+            lib.set_k_sets(bf16, 4, 1)  # four rows have one set: nothing to set
+            assert lib.get_k_sets(bf16, m) == 1 and lib.get_k_sets(bf16, 4) == 1
+    no_split = packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})
+    no_split.set_k_sets(0, 1, 4)
+    assert no_split.get_k_sets(0, 1) == 1 and no_split.max_k_sets(1) == 1
+
+
+def test_the_probe_ring_is_past_the_last_level_cache(monkeypatch):
+    """A pass must not find its panels cached by an earlier one: the ring is half again the L3 (in whole passes),
+    and two passes where sysfs reports no cache."""
+    monkeypatch.setattr(stream_prefetch, "l3_bytes", lambda: 480 << 20)
+    ring = stream_prefetch._ring_bytes()
+    assert ring >= 720 << 20 and ring % stream_prefetch.PROBE_BYTES == 0
+    monkeypatch.setattr(stream_prefetch, "l3_bytes", lambda: 0)
+    assert stream_prefetch._ring_bytes() == 2 * stream_prefetch.PROBE_BYTES
+
+
+@needs_packed
+def test_sets_are_chosen_only_where_a_plan_file_shares_them(fresh, tmp_path, monkeypatch):
+    """Without a plan file every process keeps the kernels' sets (two measuring apart could round differently);
+    with one, float32's are measured once, set in every library registered before and after (a build that takes
+    fewer keeps its own), stored, and read back by a new process; bfloat16's are never measured."""
+    monkeypatch.setattr(plan_cache, "_active", None)
+    monkeypatch.setattr(stream_prefetch, "PROBE_BYTES", 4 << 20)
+    monkeypatch.setattr(stream_prefetch, "ROUNDS", 2)
+    monkeypatch.setattr(stream_prefetch, "l3_bytes", lambda: 0)  # a small ring: the choice is what is tested
+    lib = packed_gemm._load()
+    stream_prefetch.register(lib)
+    stream_prefetch.ensure(torch.float32)
+    assert stream_prefetch.chosen_sets() == {} and _sets_of(lib)[0] == [lib.max_k_sets(r) for r in (1, 2, 3)]
+    measured = []
+    real = stream_prefetch.measure_sets
+
+    def counted(lib, bf16, rounds=2):
+        best = real(lib, bf16, rounds=rounds)
+        assert set(best) == set(stream_prefetch.SETS_ROWS)
+        assert all(c in stream_prefetch.SETS and c <= lib.max_k_sets(r) for r, c in best.items())
+        measured.append(bf16)
+        return {1: 1, 2: 1, 3: 2}  # one the defaults do not make, to see it arrive everywhere
+
+    monkeypatch.setattr(stream_prefetch, "measure_sets", counted)
+    monkeypatch.setattr(stream_prefetch, "_tables", {})
+    plan_cache.use(tmp_path)
+    try:
+        early = packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})
+        stream_prefetch.ensure(torch.float32)
+        stream_prefetch.ensure(torch.bfloat16)
+        assert measured == [False] and stream_prefetch.chosen_sets() == {"float32": {1: 1, 2: 1, 3: 2}}
+        late = packed_gemm.build({"INFERQ_NO_AVX512": 1})
+        assert _sets_of(lib)[0] == [1, 1, 2] and _sets_of(late)[0] == [1, 1, 2]
+        assert _sets_of(early)[0] == [1, 1, 1]
+        assert _sets_of(lib)[1] == [lib.max_k_sets(r) for r in (1, 2, 3)]  # bfloat16's as built
+        monkeypatch.setattr(stream_prefetch, "_tables", {})
+        monkeypatch.setattr(stream_prefetch, "_sets", {})
+        plan_cache.use(None)
+        plan_cache.use(tmp_path)
+        stream_prefetch.ensure(torch.float32)
+        assert measured == [False] and stream_prefetch.chosen_sets() == {"float32": {1: 1, 2: 1, 3: 2}}
+    finally:
+        plan_cache.use(None)
 
 
 def test_timed_row_counts_cover_every_row_count():
