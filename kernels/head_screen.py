@@ -3,15 +3,17 @@ copy of the head in fewer bytes, plus the few columns of the head itself that co
 
 Why: at one sequence a step reads every weight once, and the LM head is a fifth of a small model's weights
 (SmolLM2-135M in float32: 113 of 543 MB), read only so that a greedy step can take its logits' argmax. The
-screen is the head rounded to half its bytes (a float32 head to bfloat16; a bfloat16 one to int8 codes with a
-scale per column), and for every column i a bound c_i such that for any input row x
+screen is the head rounded to int8 codes with a scale per column (a quarter of a float32 head's bytes, half a
+bfloat16 one's), and for every column i a bound c_i such that for any input row x
 
     |screened logit_i - exact logit_i| <= |x|_2 c_i.
 
 The fused step (csrc/decode_step.c ``screen_head``) computes the screened logits s, takes T = max_i (s_i - b_i)
 with b_i = |x|_2 c_i (the exact maximum is at least T), and recomputes from the head itself the panels of every
-column with s_i + b_i >= T (the only ones that can reach it): on real text 1-17 of SmolLM2's 49,152 columns
-for the bfloat16 screen, 1-126 for the int8 one. Every other column keeps a value below T, so the row's argmax
+column with s_i + b_i >= T (the only ones that can reach it): on real text 1-126 of SmolLM2's 49,152 columns.
+A float32 head had a bfloat16 screen until session 34 (1-17 columns recomputed): the int8 one reads 28 MB
+less a step for 1-2 more panels of 16 columns, and made the float32 single-stream step 1.055-1.063x faster
+(a Xeon with AMX, the two screens swapped every 2 steps in one engine; docs/BENCHMARKS.md). Every other column keeps a value below T, so the row's argmax
 is the exact logits' argmax, the first of equal maxima included: the tokens are bit for bit those of the full
 head (tests/unit/test_head_screen.py). A row sampled by temperature alone is screened the same way for the
 argmax of its logits plus the sampler's race noise, drawn before the step (worker/sampler.py), and a top-k
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import hugepages, quant, quant_panels
+from kernels import quant, quant_panels
 
 CHUNK = 256  # panels per float64 pass of the bounds (bounded temporaries)
 U = 2.0**-24  # float32's unit roundoff
@@ -51,9 +53,9 @@ class ScreenRows:
 
 @dataclass(frozen=True)
 class HeadScreen:
-    """A head's screen: ``fmt`` "bfloat16" (``weight`` bfloat16 panels ``[np, K, 16]``, as the head's) or "int8"
-    (``weight`` int8 panels and ``scales`` float32 ``[np * 16]``, kernels/quant_panels.py's form); ``bounds``
-    float32 ``[n]``, the c_i above."""
+    """A head's screen: ``fmt`` "int8" (``weight`` int8 panels and ``scales`` float32 ``[np * 16]``,
+    kernels/quant_panels.py's form; what :func:`head_screen` makes) or "bfloat16" (``weight`` bfloat16 panels
+    ``[np, K, 16]``, as the head's; the fused step still takes it); ``bounds`` float32 ``[n]``, the c_i above."""
 
     fmt: str
     weight: torch.Tensor
@@ -67,25 +69,20 @@ class HeadScreen:
 
 
 def head_screen(panels: torch.Tensor, n: int) -> HeadScreen:
-    """The screen of a head held as float32 or bfloat16 panels ``[np, K, 16]`` with ``n`` output columns: a
-    bfloat16 copy of a float32 head, an int8 one of a bfloat16 head. Cached per panels tensor (computed once a
-    model; ~0.1-0.3 s for SmolLM2)."""
+    """The int8 screen of a head held as float32 or bfloat16 panels ``[np, K, 16]`` with ``n`` output columns.
+    Cached per panels tensor (computed once a model; ~0.1-0.3 s for SmolLM2)."""
     cached = _screens.get(id(panels))
     if cached is not None:
         return cached
-    if panels.dtype == torch.float32:
-        # the screen is read whole at every greedy step (28-56 MB for SmolLM2), so it lives in huge pages as the
-        # weights do (kernels/hugepages.py says why): from 4 KiB pages, greedy single-stream decode ran 1.02-1.03x
-        # slower (bfloat16 and float32, two engines stepped alternately)
-        rounded = hugepages.zeros(tuple(panels.shape), torch.bfloat16).copy_(panels)
-        screen = HeadScreen("bfloat16", rounded, None, _bounds(panels, lambda s: rounded[s].double(), 0.0, n))
-    else:
-        width = panels.shape[2]
-        rows = panels.float().transpose(1, 2).reshape(-1, panels.shape[1])[:n]
-        packed = quant_panels.pack(quant.quantize(rows, "int8"), huge=True)
-        scales = packed.scales.view(-1, 1, width).double()
-        screen = HeadScreen("int8", packed.codes, packed.scales,
-                            _bounds(panels, lambda s: packed.codes[s].double() * scales[s], 2 * U, n))
+    width = panels.shape[2]
+    rows = panels.float().transpose(1, 2).reshape(-1, panels.shape[1])[:n]
+    # read whole at every greedy step (14-28 MB for SmolLM2), so in huge pages as the weights are (the quantised
+    # panels' arena; kernels/hugepages.py says why): from 4 KiB pages, greedy single-stream decode ran
+    # 1.02-1.03x slower (two engines stepped alternately)
+    packed = quant_panels.pack(quant.quantize(rows, "int8"), huge=True)
+    scales = packed.scales.view(-1, 1, width).double()
+    screen = HeadScreen("int8", packed.codes, packed.scales,
+                        _bounds(panels, lambda s: packed.codes[s].double() * scales[s], 2 * U, n))
     _screens[id(panels)] = screen
     weakref.finalize(panels, _screens.pop, id(panels), None)
     return screen

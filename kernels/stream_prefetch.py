@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import logging
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -172,9 +172,9 @@ def _table(best: dict[int, int]) -> list[int]:
 def l3_bytes() -> int:
     """The largest CPU cache sysfs reports (the last level), 0 where it reports none."""
     sizes = []
-    for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
-            text = open(entry).read().strip().upper()
+            text = entry.read_text().strip().upper()
         except OSError:
             continue
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)

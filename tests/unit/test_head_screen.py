@@ -33,12 +33,8 @@ def test_the_bound_holds_for_every_column(dtype):
     panels = packed_gemm.pack(w)
     screen = head_screen.head_screen(panels, 70)
     assert screen.bounds.shape == (70,) and screen.weight.shape == panels.shape
-    if dtype == torch.float32:
-        assert screen.fmt == "bfloat16" and screen.scales is None
-        values = screen.weight.double()
-    else:
-        assert screen.fmt == "int8" and screen.weight.dtype == torch.int8
-        values = screen.weight.double() * screen.scales.double().view(-1, 1, 16)
+    assert screen.fmt == "int8" and screen.weight.dtype == torch.int8
+    values = screen.weight.double() * screen.scales.double().view(-1, 1, 16)
     rows = values.transpose(1, 2).reshape(-1, 96)[:70]
     for scale in (1e-3, 1.0, 1e3):
         x = torch.randn(8, 96, generator=gen, dtype=torch.float64) * scale
@@ -50,18 +46,14 @@ def test_the_bound_holds_for_every_column(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_large_heads_screen_is_in_huge_pages(dtype, monkeypatch):
     """The screen is read whole at every greedy step, so a head's worth of it lives in huge pages as the weights
-    do: a float32 head's bfloat16 copy in a 2 MiB-aligned huge-page mapping, a bfloat16 head's int8 codes
-    carved from the quantised panels' arena."""
+    do: its int8 codes carved from the quantised panels' arena, for a float32 head as for a bfloat16 one."""
     from kernels import hugepages, quant_panels
 
     arena = hugepages.Arena()
     monkeypatch.setattr(quant_panels, "_arena", arena)
     w = torch.randn(4000, 576, generator=torch.Generator().manual_seed(9)).to(dtype)  # 4.6-9.2 MB of panels
     screen = head_screen.head_screen(packed_gemm.pack(w), 4000)
-    if dtype == torch.float32:
-        assert screen.weight.data_ptr() % hugepages.HUGE_PAGE == 0
-    else:
-        assert screen.weight.untyped_storage().data_ptr() == arena._chunk.untyped_storage().data_ptr()
+    assert screen.weight.untyped_storage().data_ptr() == arena._chunk.untyped_storage().data_ptr()
 
 
 def _head_only_step(path, weight: torch.Tensor):
@@ -77,7 +69,7 @@ def _head_only_step(path, weight: torch.Tensor):
     half = weight.dtype == torch.bfloat16
     step.args.L, step.args.V = 0, weight.shape[0]
     step.args.head = decode_step._Proj(pk.data_ptr(), None, None, decode_step.W_BF16 if half else decode_step.W_F32, 0)
-    kind = decode_step.W_I8 if half else decode_step.W_BF16
+    kind = decode_step.W_BF16 if screen.fmt == "bfloat16" else decode_step.W_I8
     step.screen = (decode_step._Proj(screen.weight.data_ptr(), None, decode_step._ptr(screen.scales), kind, 0),
                    screen)
     step._keep.append(pk)  # the C side reads the head's panels: alive as long as the step
@@ -93,8 +85,8 @@ def _logits(step, x: torch.Tensor, screened: bool) -> torch.Tensor:
 
 
 def _adversarial_head(hidden: int, x: torch.Tensor) -> torch.Tensor:
-    """A head [64, hidden] whose best column for the row x (normed) is 40, though its bfloat16 copy ranks 5
-    above it: 5 is exact in bfloat16 (g, a grid point, moved up a step on a third of the inputs), 40 is g moved
+    """A head [64, hidden] whose best column for the row x (normed) is 40, though its bfloat16 rounding (and
+    its int8 screen: the test checks) ranks 5 above it: 5 is exact in bfloat16 (g, a grid point, moved up a step on a third of the inputs), 40 is g moved
     up 0.49 of a step on every input (rounding back to g). 41 equals 40 exactly (a tie the first index wins);
     the other columns are far below."""
     gen = torch.Generator().manual_seed(5)
@@ -112,8 +104,8 @@ def _adversarial_head(hidden: int, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_the_screened_argmax_is_the_full_heads_where_rounding_reorders_the_columns(tiny_dirs_llama, isa):
-    """The rounded copy alone would pick column 5, above the true best 40 by more than 5's own bound; the
-    screened head keeps 40 a candidate by its bound, recomputes the candidates' panels from float32 and picks
+    """The int8 screen alone would pick column 5, above the true best 40; the screened head keeps 40 a
+    candidate by its bound, recomputes the candidates' panels from float32 and picks
     40, as the full head does, with 41's exact tie left behind 40; only candidate panels are recomputed."""
     hidden = 64
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(9))
@@ -124,8 +116,9 @@ def test_the_screened_argmax_is_the_full_heads_where_rounding_reorders_the_colum
     before = step.screened_panels
     screened = _logits(step, x, screened=True)
     h = x / x.pow(2).mean(dim=1, keepdim=True).add(1e-6).sqrt()
-    rounded_only = h @ screen.weight.float().transpose(1, 2).reshape(-1, hidden).T
-    assert int(rounded_only.argmax()) == 5  # the copy alone is wrong here
+    values = screen.weight.float() * screen.scales.view(-1, 1, 16)
+    rounded_only = h @ values.transpose(1, 2).reshape(-1, hidden)[:64].T
+    assert int(rounded_only.argmax()) == 5  # the screen alone is wrong here
     assert int(full.argmax()) == 40 and int(screened.argmax()) == 40
     assert full[0, 40] == full[0, 41] and screened[0, 40] == full[0, 40]  # exact, and the tie kept
     assert 0 < step.screened_panels - before < 4
@@ -209,7 +202,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype,
     params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
     on, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=6))
     step = runner.model._decode_step
-    assert step.screen[1].fmt == ("bfloat16" if dtype == "float32" else "int8")
+    assert step.screen[1].fmt == "int8"
     calls, panels = step.screened_calls, step.screened_panels
     n_panels = -(-step.args.V // 16)
     assert calls >= 3 and panels < calls * n_panels
