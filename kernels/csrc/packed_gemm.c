@@ -33,8 +33,8 @@
    4 (at most SPLIT_K; AVX2's 16 ymm registers hold at most 2). Whether one set's FMA latency paces the stream is
    a fact about the machine, not the code: the sets were added on a Zen 5 VM, where they streamed both elements
    faster, while on a Xeon with AMX (session 34) one set made the fused float32 step 1.17x faster and bfloat16
-   still wanted four. So kernels/stream_prefetch.py measures them once per machine and sets them here before a
-   model's products run (MAX_SETS until then). Unlike a prefetch distance the count changes the sums' rounding,
+   still wanted four. So kernels/stream_prefetch.py measures float32's once per machine (bfloat16 keeps MAX_SETS:
+   it says why) and sets them here before a model's products run. Unlike a prefetch distance the count changes the sums' rounding,
    so it is set once per process, the same in every library, and never changed while serving. */
 #define MAX_SETS(MR) (INFERQ_HAVE_AVX512 || SPLIT_K(MR) < 2 ? SPLIT_K(MR) : 2)
 static int k_sets[2][4] = {{1, MAX_SETS(1), MAX_SETS(2), MAX_SETS(3)}, {1, MAX_SETS(1), MAX_SETS(2), MAX_SETS(3)}};
