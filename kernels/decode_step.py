@@ -236,8 +236,7 @@ class DecodeStep:
         screen = head_screen.prepare(model.lm_head)
         if screen is None:
             return None
-        kind = W_BF16 if screen.fmt == "bfloat16" else W_I8
-        return _Proj(screen.weight.data_ptr(), None, _ptr(screen.scales), kind, 0), screen
+        return _Proj(screen.weight.data_ptr(), None, screen.scales.data_ptr(), W_I8, 0), screen
 
     @property
     def screened_panels(self) -> int:

@@ -53,19 +53,17 @@ class ScreenRows:
 
 @dataclass(frozen=True)
 class HeadScreen:
-    """A head's screen: ``fmt`` "int8" (``weight`` int8 panels and ``scales`` float32 ``[np * 16]``,
-    kernels/quant_panels.py's form; what :func:`head_screen` makes) or "bfloat16" (``weight`` bfloat16 panels
-    ``[np, K, 16]``, as the head's; the fused step still takes it); ``bounds`` float32 ``[n]``, the c_i above."""
+    """A head's int8 screen: ``weight`` int8 panels and ``scales`` float32 ``[np * 16]`` (kernels/quant_panels.py's
+    form); ``bounds`` float32 ``[n]``, the c_i above."""
 
-    fmt: str
     weight: torch.Tensor
-    scales: torch.Tensor | None
+    scales: torch.Tensor
     bounds: torch.Tensor
 
     @property
     def nbytes(self) -> int:
         """What a screened step reads besides the recomputed panels: the screen and its bounds."""
-        return self.weight.nbytes + self.bounds.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        return self.weight.nbytes + self.bounds.nbytes + self.scales.nbytes
 
 
 def head_screen(panels: torch.Tensor, n: int) -> HeadScreen:
@@ -76,12 +74,12 @@ def head_screen(panels: torch.Tensor, n: int) -> HeadScreen:
         return cached
     width = panels.shape[2]
     rows = panels.float().transpose(1, 2).reshape(-1, panels.shape[1])[:n]
-    # read whole at every greedy step (14-28 MB for SmolLM2), so in huge pages as the weights are (the quantised
+    # read whole at every greedy step (28 MB for SmolLM2), so in huge pages as the weights are (the quantised
     # panels' arena; kernels/hugepages.py says why): from 4 KiB pages, greedy single-stream decode ran
     # 1.02-1.03x slower (two engines stepped alternately)
     packed = quant_panels.pack(quant.quantize(rows, "int8"), huge=True)
     scales = packed.scales.view(-1, 1, width).double()
-    screen = HeadScreen("int8", packed.codes, packed.scales,
+    screen = HeadScreen(packed.codes, packed.scales,
                         _bounds(panels, lambda s: packed.codes[s].double() * scales[s], 2 * U, n))
     _screens[id(panels)] = screen
     weakref.finalize(panels, _screens.pop, id(panels), None)

@@ -99,9 +99,10 @@ def ensure(dtype: torch.dtype) -> list[int] | None:
     with _lock:
         if bf16 in _tables:
             return _tables[bf16]
+        probe = functools.cache(functools.partial(_probe, lib, bf16))  # one ring for both measurements
         sets = _sets_from_plan(plan_cache.lookup("k_sets", key), lib)
         if sets is None and not bf16 and plan_cache.active():
-            sets = measure_sets(lib, bf16)
+            sets = measure_sets(lib, bf16, one_pass=probe())
             plan_cache.store("k_sets", key, [sets[r] for r in SETS_ROWS])
             log.info("decode tiles' accumulator sets measured for %s panels: %s by rows", key[0], sets)
         if sets is not None:
@@ -110,7 +111,7 @@ def ensure(dtype: torch.dtype) -> list[int] | None:
                 _apply_sets(each, bf16, sets)
         table = plan_cache.lookup("stream_prefetch", key)
         if not _valid(table):
-            table = _table(measure(lib, bf16))
+            table = _table(measure(lib, bf16, one_pass=probe()))
             plan_cache.store("stream_prefetch", key, table)
             log.info("decode tiles' prefetch distance measured for %s panels: %s bytes ahead by rows", key[0],
                      table)
@@ -231,10 +232,11 @@ def _fastest(timed, candidates: tuple[int, ...], default: int, rounds: int) -> i
     return fastest if medians[fastest] < 1.0 - MARGIN else default
 
 
-def measure(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS) -> dict[int, int]:
+def measure(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS, one_pass=None) -> dict[int, int]:
     """The best distance per row count in PROBE_ROWS: each candidate's pass over PROBE_BYTES of panels timed
-    against the default's (:func:`_fastest`), with the library's accumulator sets as they are set."""
-    one_pass = _probe(lib, bf16)
+    against the default's (:func:`_fastest`), with the library's accumulator sets as they are set. ``one_pass``:
+    a :func:`_probe` already built (its ring is hundreds of MB), else one is built here."""
+    one_pass = one_pass or _probe(lib, bf16)
     saved = [lib.get_prefetch_ahead(int(bf16), r) for r in range(MAX_ROWS + 1)]
 
     def timed(rows: int, ahead: int) -> float:
@@ -248,10 +250,11 @@ def measure(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS) -> dict[int, int
             lib.set_prefetch_ahead(int(bf16), r, ahead)
 
 
-def measure_sets(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS) -> dict[int, int]:
+def measure_sets(lib: ctypes.CDLL, bf16: bool, rounds: int = ROUNDS, one_pass=None) -> dict[int, int]:
     """The best accumulator sets per row count in SETS_ROWS among those the build takes, the most of them (the
-    kernels' default) kept unless another is MARGIN faster (:func:`_fastest`), at the default distance."""
-    one_pass = _probe(lib, bf16)
+    kernels' default) kept unless another is MARGIN faster (:func:`_fastest`), at the default distance;
+    ``one_pass`` as :func:`measure`'s."""
+    one_pass = one_pass or _probe(lib, bf16)
     saved = {r: lib.get_k_sets(int(bf16), r) for r in SETS_ROWS}
     ahead = [lib.get_prefetch_ahead(int(bf16), r) for r in SETS_ROWS]
 

@@ -33,7 +33,7 @@ def test_the_bound_holds_for_every_column(dtype):
     panels = packed_gemm.pack(w)
     screen = head_screen.head_screen(panels, 70)
     assert screen.bounds.shape == (70,) and screen.weight.shape == panels.shape
-    assert screen.fmt == "int8" and screen.weight.dtype == torch.int8
+    assert screen.weight.dtype == torch.int8 and screen.scales.dtype == torch.float32
     values = screen.weight.double() * screen.scales.double().view(-1, 1, 16)
     rows = values.transpose(1, 2).reshape(-1, 96)[:70]
     for scale in (1e-3, 1.0, 1e3):
@@ -69,8 +69,7 @@ def _head_only_step(path, weight: torch.Tensor):
     half = weight.dtype == torch.bfloat16
     step.args.L, step.args.V = 0, weight.shape[0]
     step.args.head = decode_step._Proj(pk.data_ptr(), None, None, decode_step.W_BF16 if half else decode_step.W_F32, 0)
-    kind = decode_step.W_BF16 if screen.fmt == "bfloat16" else decode_step.W_I8
-    step.screen = (decode_step._Proj(screen.weight.data_ptr(), None, decode_step._ptr(screen.scales), kind, 0),
+    step.screen = (decode_step._Proj(screen.weight.data_ptr(), None, screen.scales.data_ptr(), decode_step.W_I8, 0),
                    screen)
     step._keep.append(pk)  # the C side reads the head's panels: alive as long as the step
     return step, (pk, screen)
@@ -202,7 +201,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_screen(tied_dir, dtype,
     params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
     on, _ = _engine_tokens(runner, ahead, params, prompts(3, seed=6))
     step = runner.model._decode_step
-    assert step.screen[1].fmt == "int8"
+    assert step.screen[1].weight.dtype == torch.int8
     calls, panels = step.screened_calls, step.screened_panels
     n_panels = -(-step.args.V // 16)
     assert calls >= 3 and panels < calls * n_panels

@@ -156,19 +156,28 @@ def test_sets_are_chosen_only_where_a_plan_file_shares_them(fresh, tmp_path, mon
     measured = []
     real = stream_prefetch.measure_sets
 
-    def counted(lib, bf16, rounds=2):
-        best = real(lib, bf16, rounds=rounds)
+    def counted(lib, bf16, rounds=2, one_pass=None):
+        best = real(lib, bf16, rounds=rounds, one_pass=one_pass)
         assert set(best) == set(stream_prefetch.SETS_ROWS)
         assert all(c in stream_prefetch.SETS and c <= lib.max_k_sets(r) for r, c in best.items())
         measured.append(bf16)
         return {1: 1, 2: 1, 3: 2}  # one the defaults do not make, to see it arrive everywhere
 
+    rings = []
+    real_probe = stream_prefetch._probe
+
+    def probe(lib, bf16):
+        rings.append(bf16)
+        return real_probe(lib, bf16)
+
     monkeypatch.setattr(stream_prefetch, "measure_sets", counted)
+    monkeypatch.setattr(stream_prefetch, "_probe", probe)
     monkeypatch.setattr(stream_prefetch, "_tables", {})
     plan_cache.use(tmp_path)
     try:
         early = packed_gemm.build({"INFERQ_NO_SPLIT_K": 1})
         stream_prefetch.ensure(torch.float32)
+        assert rings == [False]  # one ring for the sets and the distances
         stream_prefetch.ensure(torch.bfloat16)
         assert measured == [False] and stream_prefetch.chosen_sets() == {"float32": {1: 1, 2: 1, 3: 2}}
         late = packed_gemm.build({"INFERQ_NO_AVX512": 1})
@@ -206,8 +215,8 @@ def test_measured_once_then_read_from_the_plan_file(fresh, tmp_path, monkeypatch
         measured = []
         real = stream_prefetch.measure
 
-        def counted(lib, bf16, rounds=2):
-            best = real(lib, bf16, rounds=rounds)
+        def counted(lib, bf16, rounds=2, one_pass=None):
+            best = real(lib, bf16, rounds=rounds, one_pass=one_pass)
             measured.append(best)
             return {**best, 1: 16384}  # a choice the defaults do not make, to see it arrive everywhere
 
