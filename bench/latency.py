@@ -365,9 +365,10 @@ def _screened_head_bytes(step, before: tuple[int, int, int]) -> int | None:
     steps, calls, panels = (now - then for now, then in zip(_screen_counts(step), before, strict=True))
     if step is None or step.screen is None or not calls or not steps:
         return None
-    head = step.screen[1]
-    panel_bytes = step.args.H * 16 * (2 if head.fmt == "int8" else 4)  # the head's own panels: bfloat16, float32
-    return head.nbytes + round(panels / steps * panel_bytes)
+    from kernels import decode_step
+
+    panel_bytes = step.args.H * 16 * (2 if step.args.head.kind == decode_step.W_BF16 else 4)  # the head's own panels
+    return step.screen[1].nbytes + round(panels / steps * panel_bytes)
 
 
 def _time_phases(model):

@@ -264,8 +264,8 @@ static void gemm_share(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, in
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, one_tile = rows <= tile_rows;
         const int64_t ahead = one_tile ? prefetch_ahead[w_bytes == 2][rows <= AHEAD_ROWS ? rows : AHEAD_ROWS] : 0;
-        /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
-        #pragma omp for schedule(static) nowait
+        /* blocks need no barrier: each writes its own rows of y */
+        PANEL_SHARE
         for (int p = 0; p < np; p++) {
             const char* w = (const char*)wp + (int64_t)p * panel_bytes;
             const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
@@ -295,7 +295,7 @@ static void gemm_any(tile_fn tile, int tile_rows, int x_bytes, int y_bytes, int 
 }
 
 /* The same product run by the team of an enclosing parallel region (kernels/csrc/decode_step.c): each thread
-   takes its static share of the panels and returns without a barrier (the caller places one before y is
+   takes its share of the panels (PANEL_SHARE) and returns without a barrier (the caller places one before y is
    read). Called outside a parallel region, one thread does it all. bf16: bfloat16 panels, widened. */
 void gemm_team(int bf16, const float* x, int64_t xs, const void* wp, const float* b, float* y, int64_t ys, int M,
                int N, int K, int accumulate) {

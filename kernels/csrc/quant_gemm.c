@@ -659,8 +659,8 @@ static void share_direct(int fmt, int half, const float* x, int64_t xs, const vo
     const int tile_rows = fmt == FMT_I8 ? 6 : 4, pc = fmt == FMT_I4P3 ? 3 : 1; /* int8 pieces of a row */
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + tile_rows - 1) / tile_rows;
-        /* static and nowait: a thread keeps the same panels in every block, and blocks need no barrier */
-        #pragma omp for schedule(static) nowait
+        /* blocks need no barrier: each writes its own rows of y */
+        PANEL_SHARE
         for (int p = 0; p < np; p++) {
             const char* w = (const char*)wp + (int64_t)p * pb;
             const void* sp = (const char*)s + (int64_t)p * ps;
@@ -696,7 +696,7 @@ static void share_widened(int fmt, int half, const float* x, int64_t xs, const v
     const int mb = row_block(M, K < KBLOCK ? K : KBLOCK);
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + 5) / 6;
-        #pragma omp for schedule(static) nowait
+        PANEL_SHARE
         for (int p = 0; p < np; p++) {
             const char* w = (const char*)wp + (int64_t)p * pb;
             const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
@@ -837,8 +837,8 @@ static int act8_product(int fmt, int half, const float* x, int64_t xs, const voi
 }
 
 /* The product for the thread team of an enclosing parallel region (decode_step.c's pattern): each thread takes
-   its static share of the panels and returns without a barrier (the caller places one before y is read); int4's
-   group sums of x are computed by each thread for itself, as nothing here may synchronise. Called outside a
+   its share of the panels (PANEL_SHARE) and returns without a barrier (the caller places one before y is read);
+   int4's group sums of x are computed by each thread for itself, as nothing here may synchronise. Called outside a
    parallel region, one thread does it all. fmt 0: int8 (s = scale [Npad]); 1: int4 (s = sz, G its group size);
    2: int4 times int8 activations; either int4 format or'd with FMT_HALF: sz in float16.
    Returns 1 (nothing done) for arguments no kernel here takes. */

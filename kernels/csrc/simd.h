@@ -28,6 +28,18 @@
 #define INFERQ_HAVE_AVX512BF16 0
 #endif
 
+/* How a product's panels are shared over the thread team (an orphaned `omp for ... nowait`): guided, large
+   chunks first and smaller ones as the panels run out, so a thread slowed by its neighbour on the memory bus,
+   or by work of its own before the product, hands its tail to the others instead of keeping them at the
+   barrier after it (with static halves a float32 decode step ran 1.014x slower, twice, on a 2-core Zen 1 VM;
+   int4 even). A panel is computed by one thread either way, so results do not depend on the schedule.
+   INFERQ_STATIC_PANELS: equal static shares (side-by-side timings). */
+#ifdef INFERQ_STATIC_PANELS
+#define PANEL_SHARE _Pragma("omp for schedule(static) nowait")
+#else
+#define PANEL_SHARE _Pragma("omp for schedule(guided) nowait")
+#endif
+
 /* Helpers taking a compile-time constant (row count, bfloat16 or not) are always inlined, so each call site
    gets code specialised for its constants: the C form of a template. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
