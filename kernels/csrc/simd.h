@@ -5,7 +5,8 @@
    come from the compiler's own macros (-march=native):
      INFERQ_NO_AVX512  leave the AVX-512 code out even where the compiler targets it (the AVX2 build, as on an
                        AVX2-only CPU; tests and side-by-side timings)
-     INFERQ_NO_AVX2    leave every vector path out: portable loops only (the packed GEMM then does not build) */
+     INFERQ_NO_AVX2    leave every vector path out: portable loops only (the packed GEMM then does not build)
+     INFERQ_STATIC_PANELS  share a product's panels in equal static halves, not guided (PANEL_SHARE below) */
 #ifndef INFERQ_SIMD_H
 #define INFERQ_SIMD_H
 
