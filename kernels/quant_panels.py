@@ -73,11 +73,12 @@ def act8_isa(lib: ctypes.CDLL | None = None) -> str | None:
     return A8_ISA[lib.qgemm_a8_isa()] if lib is not None else None
 
 
-def int4_pieces(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether int4 panels times float activations run as the integer tile over three int8 pieces of each
-    activation block at decode row counts (AVX512-VNNI + VBMI builds; csrc/quant_gemm.c says why)."""
+def int4_pieces(lib: ctypes.CDLL | None = None) -> int:
+    """Over how many int8 pieces of each activation block (2 or 3) int4 panels times float activations run as
+    the integer tile at decode row counts; 0 where they run the float tile (builds without AVX512-VNNI + VBMI;
+    csrc/quant_gemm.c says why and what each count keeps of x)."""
     lib = lib or _load()
-    return lib is not None and bool(lib.qgemm_int4_pieces())
+    return lib.qgemm_int4_pieces() if lib is not None else 0
 
 
 @functools.cache

@@ -21,8 +21,9 @@
 
    int4 panels can also be multiplied with int8 activations (FMT_I4A8, block4a8: x quantised in blocks of 32 as
    llama.cpp's Q8_0, integer dot products), by the same direct tiles at every M. Builds with that format's
-   AVX512-VNNI tile run int4 times float activations at decode sizes on it too, over three int8 pieces of each
-   activation block (FMT_I4P3, quant_pieces: float32's accuracy at integer speed; int4_pieces says why).
+   AVX512-VNNI tile run int4 times float activations at decode sizes on it too, over two int8 pieces of each
+   activation block (FMT_I4P, quant_pieces: x within 2^-15 of its block's largest value, at integer speed;
+   int4_pieces says why).
 
    Larger M (prefill), int4: a K-block of each panel is widened once into a float32 scratch tile (KBLOCK x 16,
    L1 resident, as q * s + o) and every row tile of the row block reuses it with the float micro-kernel (6 x 16,
@@ -37,7 +38,7 @@
    nowait`, so qgemm_team can be called by every thread of an enclosing parallel region (decode_step.c's
    pattern, no barrier at the end), and qgemm runs it in a parallel region of its own. Needs AVX2 + FMA; AVX-512
    builds run the decode tiles on 512-bit registers (block_i8_512, block4_512, and with AVX512-VNNI + VBMI
-   block4a8_512), with results equal bit for bit (FMT_I4P3 aside: the AVX2 build keeps the float tile there). */
+   block4a8_512), with results equal bit for bit (FMT_I4P aside: the AVX2 build keeps the float tile there). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,7 +54,7 @@
 #define FMT_I4 1
 #define FMT_I4A8 2 /* int4 panels times int8 activations (block4a8) */
 #define FMT_HALF 4 /* or'd into an int4 format: the panel's scales and offsets are float16 (load_sz) */
-#define FMT_I4P3 3 /* internal: int4 with float activations as three int8 pieces (block4a8_512, quant_pieces) */
+#define FMT_I4P 3 /* internal: int4 with float activations as int8 pieces (block4a8_512, quant_pieces) */
 #define QB 32      /* inputs per int8 activation block */
 #define KIND_F32 0 /* the widened scratch tile */
 #define KIND_I8 1
@@ -417,9 +418,10 @@ ALWAYS_INLINE void block4_512(const int MR, const int H, const float* x, int64_t
    2 vpdpbusd (block4a8: 10 ops per 4 inputs, then 6 per row). Integer sums are exact, so splitting a fold over
    NS accumulator sets (latency) changes nothing: each fold's column sum is block4a8's, converted and FMA'd in
    the same order, and both builds give equal results bit for bit.
-   PC = 3 (FMT_I4P3): each row's activations are three int8 pieces (quant_pieces), each with its own sums; a
+   PC = 2 or 3 (FMT_I4P): each row's activations are int8 pieces (quant_pieces), each with its own sums; a
    fold's (at most 32 inputs, codes <= 15) are at most 60,960 for q1 and 30,720 for q2 and q3, so q1's sum and
-   128 q2's + q3's (under 2^22) convert to float exactly, the first scaled by 16384 (a power of two). */
+   q2's (PC = 2) or 128 q2's + q3's (PC = 3, under 2^22) convert to float exactly, the first scaled by 128 or
+   16384 (a power of two). */
 ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const int8_t* xq, int64_t xqs,
                                 const float* xd, int64_t xds, const float* xh, int ng, const uint8_t* w, const void* sz,
                                 int G, int K, float* y, int64_t ys, const float* b, int nc, int accumulate,
@@ -466,7 +468,7 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
         _Pragma("GCC unroll 3") for (int c = 0; c < PC; c++)
             _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {
                 if (NS == 2) a[c][0][r] = _mm512_add_epi32(a[c][0][r], a[c][1][r]);
-                if (c == 2) /* pieces: the codes times q2 / 128 + q3 / 16384, in units of 1 / 16384 */
+                if (c == 2) /* three pieces: the codes times q2 / 128 + q3 / 16384, in units of 1 / 16384 */
                     a[1][0][r] = _mm512_add_epi32(_mm512_slli_epi32(a[1][0][r], 7), a[2][0][r]);
             }
         const int64_t gs = (int64_t)g * 2 * PANEL;
@@ -477,7 +479,7 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
             if (PC == 1) {
                 t[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(a[0][0][r]), t[r]);
             } else {
-                const __m512 sd1 = _mm512_mul_ps(sd, _mm512_set1_ps(16384.f));
+                const __m512 sd1 = _mm512_mul_ps(sd, _mm512_set1_ps(PC == 3 ? 16384.f : 128.f));
                 t[r] = _mm512_fmadd_ps(sd1, _mm512_cvtepi32_ps(a[0][0][r]), t[r]);
                 t[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(a[1][0][r]), t[r]);
             }
@@ -493,6 +495,7 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
     store_tile(MR, h2, 0, y, ys, b, nc, accumulate);
 }
 #define BLOCK_I4A8(MR, H, ...) block4a8_512(MR, 1, H, __VA_ARGS__)
+#define BLOCK_I4P2(MR, H, ...) block4a8_512(MR, 2, H, __VA_ARGS__)
 #define BLOCK_I4P3(MR, H, ...) block4a8_512(MR, 3, H, __VA_ARGS__)
 #endif
 #else
@@ -508,16 +511,27 @@ ALWAYS_INLINE void block4a8_512(const int MR, const int PC, const int H, const i
    (AVX512-VNNI + VBMI; INFERQ_NO_VNNI or INFERQ_NO_AVX512 leave it out, for tests and timings). */
 int qgemm_a8_isa(void) { return A8_ISA; }
 
-/* Whether int4 panels times float activations run as the integer tile over three int8 pieces of x (FMT_I4P3): in
-   builds with block4a8_512, at the direct tiles' row counts, where the activation blocks fit the groups (the
-   rule bad_args applies to FMT_I4A8). Why: block4_512 widens each code to a float lane and multiplies it alone
-   (2 shuffles, a shift, a conversion and an FMA per 16 codes), which holds its one-row tile well below the read
-   bandwidth on Zen 4; the pieces cost block4a8_512's 5 ops per 128 codes and 6 vpdpbusd per row, and keep
-   float32's accuracy (quant_pieces). Measured on a Zen 4 (SmolLM2's shapes, the float tile's time over the
-   pieces', alternated): 1.09-1.30 at one row; 0.96-1.19 at 2-12 rows, the larger shapes gaining most (gate_up
-   1.11-1.19, o 0.96-1.12). qgemm_set_int4_pieces(0) turns it off (tests, timings). */
-static int int4_pieces = 1;
-void qgemm_set_int4_pieces(int on) { int4_pieces = on; }
+/* How many int8 pieces of x int4 panels times float activations run as, on the integer tile (FMT_I4P; 0: the
+   float tile): in builds with block4a8_512, at the direct tiles' row counts, where the activation blocks fit the
+   groups (the rule bad_args applies to FMT_I4A8). Why: block4_512 widens each code to a float lane and
+   multiplies it alone (2 shuffles, a shift, a conversion and an FMA per 16 codes), which holds its one-row tile
+   well below the read bandwidth on Zen 4; the pieces cost block4a8_512's 5 ops per 128 codes and 2 vpdpbusd per
+   piece and row. Measured on a Zen 4 (SmolLM2's shapes, the float tile's time over three pieces', alternated):
+   1.09-1.30 at one row; 0.96-1.19 at 2-12 rows, the larger shapes gaining most (gate_up 1.11-1.19, o
+   0.96-1.12). Two pieces, not three (quant_pieces says what each count keeps of x): the fused int4 step 1.025x
+   and 1.050x (Zen 4, the two builds swapped every 2 steps in one engine), and a teacher-forced decode of the
+   license texts (768 positions, one token a step) as far from float32 with either count or the float tile (KL
+   1.5388e-3, 1.5363e-3, 1.5373e-3): int4's own rounding of the weights (2^-4) is far coarser. The count
+   built in is INFERQ_INT4_PIECES (2 or 3); qgemm_set_int4_pieces changes it (0 turns the pieces off: tests,
+   timings). */
+#ifndef INFERQ_INT4_PIECES
+#define INFERQ_INT4_PIECES 2
+#endif
+#if INFERQ_INT4_PIECES != 2 && INFERQ_INT4_PIECES != 3
+#error "INFERQ_INT4_PIECES is 2 or 3"
+#endif
+static int int4_pieces = INFERQ_INT4_PIECES;
+void qgemm_set_int4_pieces(int n) { int4_pieces = n == 2 || n == 3 ? n : n ? INFERQ_INT4_PIECES : 0; }
 int qgemm_int4_pieces(void) {
 #ifdef BLOCK_I4P3
     return int4_pieces;
@@ -572,19 +586,26 @@ static void tile_i4(int mr, int half, const float* x, int64_t xs, const uint8_t*
         I4_ROWS(BLOCK_I4, 0, x, xs, w, sz, G, K, xg, ng, y, ys, b, nc, acc, pf)
 }
 
-static void tile_i4a8(int fmt, int mr, int half, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
+static void tile_i4a8(int pc, int mr, int half, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
                       const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K, float* y, int64_t ys,
                       const float* b, int nc, int acc, const uint8_t* pf) {
 #ifdef BLOCK_I4P3
-    if (fmt == FMT_I4P3) {
+    if (pc == 3) {
         if (half)
             I4_ROWS(BLOCK_I4P3, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
         else
             I4_ROWS(BLOCK_I4P3, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
         return;
     }
+    if (pc == 2) {
+        if (half)
+            I4_ROWS(BLOCK_I4P2, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        else
+            I4_ROWS(BLOCK_I4P2, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        return;
+    }
 #endif
-    (void)fmt;
+    (void)pc;
     if (half)
         I4_ROWS(BLOCK_I4A8, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
     else
@@ -640,12 +661,13 @@ static int row_block(int M, int k_len) {
     return M <= 2 * mb ? M : mb;
 }
 
-/* x's rows quantised for FMT_I4A8 (quant_rows): codes [M, K], block scales [M, K/32], and per group the sum of
-   the de-quantised activations [M, K/G] (the offsets' term). */
+/* x's rows quantised for FMT_I4A8 (quant_rows) or FMT_I4P (quant_pieces): codes [M, pieces, K], block scales
+   [M, K/32], and per group the sum of the de-quantised activations [M, K/G] (the offsets' term). */
 typedef struct {
     const int8_t* q;
     const float* d;
     const float* h;
+    int pieces; /* of each row: 1 (FMT_I4A8), or 2 or 3 (FMT_I4P) */
 } act8;
 
 /* Codes widened in registers by every row tile: near-equal tiles of at most 6 (int8) or 4 (int4) rows; the
@@ -656,7 +678,7 @@ static void share_direct(int fmt, int half, const float* x, int64_t xs, const vo
                          int accumulate) {
     const int np = (N + PANEL - 1) / PANEL, ng = fmt == FMT_I8 ? 0 : K / G, mb = row_block(M, K);
     const int64_t pb = panel_code_bytes(fmt, K), ps = panel_scale_elems(fmt, K, G) * (half ? 2 : 4);
-    const int tile_rows = fmt == FMT_I8 ? 6 : 4, pc = fmt == FMT_I4P3 ? 3 : 1; /* int8 pieces of a row */
+    const int tile_rows = fmt == FMT_I8 ? 6 : 4, pc = xa ? xa->pieces : 1; /* int8 pieces of a row */
     for (int r0 = 0; r0 < M; r0 += mb) {
         const int rows = M - r0 < mb ? M - r0 : mb, tiles = (rows + tile_rows - 1) / tile_rows;
         /* blocks need no barrier: each writes its own rows of y */
@@ -672,8 +694,8 @@ static void share_direct(int fmt, int half, const float* x, int64_t xs, const vo
                 if (fmt == FMT_I8)
                     tile_i8(mr, x + m0 * xs, xs, (const int8_t*)w, K, (const float*)sp, y + m0 * ys + n0, ys, b ? b + n0 : 0, nc,
                             accumulate, next);
-                else if (fmt == FMT_I4A8 || fmt == FMT_I4P3)
-                    tile_i4a8(fmt, mr, half, xa->q + (int64_t)m0 * K * pc, K * pc, xa->d + (int64_t)m0 * (K / QB),
+                else if (fmt == FMT_I4A8 || fmt == FMT_I4P)
+                    tile_i4a8(pc, mr, half, xa->q + (int64_t)m0 * K * pc, K * pc, xa->d + (int64_t)m0 * (K / QB),
                               K / QB, xa->h + (int64_t)m0 * ng, ng, (const uint8_t*)w, sp, G, K, y + m0 * ys + n0,
                               ys, b ? b + n0 : 0, nc, accumulate, (const uint8_t*)next);
                 else
@@ -751,32 +773,34 @@ static void quant_rows(const float* x, int64_t xs, int M, int K, int G, int8_t* 
     }
 }
 
-/* x's M rows as three int8 pieces per block of 32 (FMT_I4P3): with d = max |x| / 127 and t = x / d, q1 = rint(t),
-   q2 = rint(128 (t - q1)), q3 = rint(128 (128 (t - q1) - q2)). Each difference and scaling is exact in float32,
-   so x' = d (q1 + q2 / 128 + q3 / 16384) is x within d / 32768 (2^-22 of the block's largest |x|: below
-   float32's rounding of the sums the tile forms); |q1| <= 127, |q2|, |q3| <= 64 (block4a8_512 says what that
-   bounds). Row r's piece c at q + 3 K r + K c; d holds d / 16384, the unit of the pieces' combined sum; h the group
-   sums of x' (not of x: the offsets' term must see the activations the codes' term sees, or a group whose
-   scales and offsets nearly cancel, as an outlier weight's does, loses that cancellation), per fold as
-   quant_rows sums them. */
-static void quant_pieces(const float* x, int64_t xs, int M, int K, int G, int8_t* q, float* d, float* h) {
+/* x's M rows as P = 2 or 3 int8 pieces per block of 32 (FMT_I4P): with d = max |x| / 127 and t = x / d,
+   q1 = rint(t), q2 = rint(128 (t - q1)), q3 = rint(128 (128 (t - q1) - q2)). Each difference and scaling is
+   exact in float32, so x' = d (q1 + q2 / 128) is x within d / 256 (2^-15 of the block's largest |x|, where
+   int4's own rounding of the weight is 2^-4 of its group's range) and x' = d (q1 + q2 / 128 + q3 / 16384)
+   within d / 32768 (2^-22: below float32's rounding of the sums the tile forms); |q1| <= 127, |q2|, |q3| <= 64
+   (block4a8_512 says what that bounds). Row r's piece c at q + P K r + K c; d holds d / 128^(P - 1), the unit of
+   the pieces' combined sum; h the group sums of x' (not of x: the offsets' term must see the activations the
+   codes' term sees, or a group whose scales and offsets nearly cancel, as an outlier weight's does, loses that
+   cancellation), per fold as quant_rows sums them. */
+static void quant_pieces(const float* x, int64_t xs, int M, int K, int G, int P, int8_t* q, float* d, float* h) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), up = _mm256_set1_ps(128.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* the packs interleave 128-bit lanes */
     const int ng = K / G, F = G < QB ? G : QB;
+    const float unit = P == 3 ? 16384.f : 128.f;
     for (int r = 0; r < M; r++) {
         for (int g = 0; g < ng; g++) h[(int64_t)r * ng + g] = 0.f;
         for (int bk = 0; bk < K / QB; bk++) {
             const float* xb = x + r * xs + bk * QB;
-            int8_t* qb = q + (int64_t)r * 3 * K + bk * QB;
+            int8_t* qb = q + (int64_t)r * P * K + bk * QB;
             __m256 t[4], m = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
                 t[i] = _mm256_loadu_ps(xb + 8 * i);
                 m = _mm256_max_ps(m, _mm256_and_ps(t[i], absmask));
             }
             const float dd = _mm256_cvtss_f32(hmax8(m)) / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
-            d[(int64_t)r * (K / QB) + bk] = dd / 16384.f;
-            __m256i u[4]; /* x' / (d / 16384), exact: |u| < 2^21 */
-            for (int c = 0; c < 3; c++) {
+            d[(int64_t)r * (K / QB) + bk] = dd / unit;
+            __m256i u[4]; /* x' / (d / unit), exact: |u| < 2^21 */
+            for (int c = 0; c < P; c++) {
                 __m256i n[4];
                 for (int i = 0; i < 4; i++) {
                     if (!c) t[i] = _mm256_mul_ps(t[i], _mm256_set1_ps(id));
@@ -794,7 +818,7 @@ static void quant_pieces(const float* x, int64_t xs, int M, int K, int G, int8_t
                 int32_t lanes[8], total = 0;
                 _mm256_storeu_si256((__m256i*)lanes, sum);
                 for (int e = 0; e < 8; e++) total += lanes[e];
-                h[(int64_t)r * ng + (bk * QB + f) / G] += dd / 16384.f * (float)total;
+                h[(int64_t)r * ng + (bk * QB + f) / G] += dd / unit * (float)total;
             }
         }
     }
@@ -811,11 +835,11 @@ static int bad_args(int fmt, int K, int G) {
     return (fmt != FMT_I4 && fmt != FMT_I4A8) || G <= 0 || G % 8 || K % G || KBLOCK % G;
 }
 
-/* int4 panels times activations in int8 blocks (FMT_I4A8: one piece; FMT_I4P3: float activations as three
-   pieces), by the integer tiles: a row's result does not depend on its batch. */
+/* int4 panels times activations in int8 blocks (FMT_I4A8: one piece; FMT_I4P: float activations as two or
+   three pieces), by the integer tiles: a row's result does not depend on its batch. */
 static int act8_product(int fmt, int half, const float* x, int64_t xs, const void* wp, const void* s, int G,
                         const float* b, float* y, int64_t ys, int M, int N, int K, int accumulate) {
-    const int pc = fmt == FMT_I4P3 ? 3 : 1;
+    const int pc = fmt == FMT_I4P ? int4_pieces : 1;
     const int64_t qbytes = (int64_t)M * K * pc, nf = (int64_t)M * (K / QB + K / G);
     const int64_t bytes = qbytes + nf * (int64_t)sizeof(float);
     _Alignas(64) char stack[A8_STACK];
@@ -828,9 +852,9 @@ static int act8_product(int fmt, int half, const float* x, int64_t xs, const voi
     if (pc == 1) {
         quant_rows(x, xs, M, K, G, q, d, h);
     } else {
-        quant_pieces(x, xs, M, K, G, q, d, h);
+        quant_pieces(x, xs, M, K, G, pc, q, d, h);
     }
-    const act8 xa = {q, d, h};
+    const act8 xa = {q, d, h, pc};
     share_direct(fmt, half, x, xs, wp, s, G, 0, &xa, b, y, ys, M, N, K, accumulate);
     free(heap);
     return 0;
@@ -849,7 +873,7 @@ int qgemm_team(int fmt, const float* x, int64_t xs, const void* wp, const void* 
     const int half = fmt & FMT_HALF ? 1 : 0;
     fmt &= ~FMT_HALF;
     if (fmt == FMT_I4A8 || (fmt == FMT_I4 && use_pieces(M, K, G)))
-        return act8_product(fmt == FMT_I4 ? FMT_I4P3 : fmt, half, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
+        return act8_product(fmt == FMT_I4 ? FMT_I4P : fmt, half, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
     if (M > widen_rows[fmt]) {
         share_widened(fmt, half, x, xs, wp, s, G, b, y, ys, M, N, K, accumulate);
         return 0;

@@ -77,8 +77,15 @@ def _check(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tenso
 @pytest.mark.parametrize("variant", ["avx2", "default"])
 @pytest.mark.parametrize(("fmt", "group", "n", "k"), CASES)
 def test_panels_match_the_dequantised_weight(variant, fmt, group, n, k, half):
+    """To float32 rounding: int4 times float activations with three int8 pieces where the build has them (two,
+    the default, are checked against their own bound below)."""
     lib = _lib(variant)
     assert lib is not None
+    with _pieces(lib, 3):
+        _check_panels(lib, fmt, group, n, k, half)
+
+
+def _check_panels(lib, fmt, group, n, k, half):
     q, p = _packed(fmt, group, n, k, half)
     assert p.codes.shape == ((n + 15) // 16, k if fmt == "int8" else k // 2, 16)
     w = q.dequantize()
@@ -107,14 +114,13 @@ def test_direct_and_widened_paths_agree_at_every_row_count(fmt, half):
     q, p = _packed(fmt, 64, 40, 640, half)  # K = 2.5 K-blocks
     w = q.dequantize()
     gen = torch.Generator().manual_seed(3)
-    try:
+    with _pieces(lib, 3), contextlib.ExitStack() as undo:
+        undo.callback(lib.qgemm_set_widen_rows, f, default)
         for rows in (0, 1 << 30):
             lib.qgemm_set_widen_rows(f, rows)
             for m in (1, 3, 7, 16, 70):
                 x = torch.randn(m, 640, generator=gen)
                 _check(quant_panels.matmul(x, p, lib=lib), x.double() @ w.double().t(), x, w)
-    finally:
-        lib.qgemm_set_widen_rows(f, default)
 
 
 @pytest.mark.parametrize("half", HALF)
@@ -137,47 +143,58 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(fmt, group, n, k, half):
 
 
 @contextlib.contextmanager
-def _float_tiles(lib):
-    """int4 times float activations by the float tiles, not the int8 pieces, inside the block."""
-    lib.qgemm_set_int4_pieces(0)
+def _pieces(lib, count: int):
+    """int4 times float activations over ``count`` int8 pieces (0: by the float tiles) inside the block."""
+    before = lib.qgemm_int4_pieces()
+    lib.qgemm_set_int4_pieces(count)
     try:
         yield
     finally:
-        lib.qgemm_set_int4_pieces(1)
+        lib.qgemm_set_int4_pieces(before)
 
 
-def _pieces_reference(x: torch.Tensor) -> torch.Tensor:
+def _float_tiles(lib):
+    return _pieces(lib, 0)
+
+
+def _pieces_reference(x: torch.Tensor, count: int) -> torch.Tensor:
     """x as quant_gemm.c's quant_pieces splits it, in float64: per block of 32, d = max |x| / 127 and t = x / d
     (float32), q1 = rint(t), q2 = rint(128 (t - q1)), q3 = rint(128 (128 (t - q1) - q2)), x' = d (q1 + q2 / 128 +
-    q3 / 16384)."""
+    q3 / 16384) over the first ``count`` pieces."""
     b = x.float().reshape(x.shape[0], -1, 32)
     d = b.abs().amax(-1, keepdim=True) / 127.0
     t = b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     pieces = []
-    for _ in range(3):
+    for _ in range(count):
         pieces.append(torch.round(t))
         t = (t - pieces[-1]) * 128.0
-    for q, bound in zip(pieces, (127, 64, 64), strict=True):
+    for q, bound in zip(pieces, (127, 64, 64), strict=False):
         assert q.abs().max() <= bound
-    q1, q2, q3 = (q.double() for q in pieces)
-    return (d.double() * (q1 + q2 / 128 + q3 / 16384)).reshape(x.shape)
+    return (d.double() * sum(q.double() / 128**c for c, q in enumerate(pieces))).reshape(x.shape)
 
 
 @pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize(("fmt", "group", "n", "k"), [c for c in CASES if c[0] == "int4"])
-def test_int4_float_activations_as_three_int8_pieces(fmt, group, n, k, half):
+def test_int4_float_activations_as_int8_pieces(fmt, group, n, k, count, half):
     """Where the build has the VNNI tile, int4 panels times float activations at decode row counts run it over
-    three int8 pieces of each activation block: the result equals the de-quantised weight times the pieces'
-    activations to float32 rounding (and so the float activations within the same bound: tests above), a row's
-    result is the same bit for bit whichever rows share its call, and row counts above the direct tiles' are the
-    float path's. Builds without it report so and never run it."""
+    two or three int8 pieces of each activation block: the result equals the de-quantised weight times the
+    pieces' activations to float32 rounding (three pieces: so the float activations within the same bound,
+    tests above), a row's result is the same bit for bit whichever rows share its call, and row counts above the
+    direct tiles' are the float path's. Builds without it report so and never run it."""
     flags = set(native.cpu_flags().split())
     vnni = {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= flags
-    assert quant_panels.int4_pieces(_lib("default")) == vnni
+    assert bool(quant_panels.int4_pieces(_lib("default"))) == vnni
     assert not quant_panels.int4_pieces(_lib("avx2")) and not quant_panels.int4_pieces(_lib("no-vnni"))
     if not vnni:
         pytest.skip("no AVX512-VNNI + VBMI: the pieces tile is not in this machine's builds")
     lib = _lib("default")
+    with _pieces(lib, count):
+        assert quant_panels.int4_pieces(lib) == count
+        _check_pieces(lib, fmt, group, n, k, count, half)
+
+
+def _check_pieces(lib, fmt, group, n, k, count, half):
     q, p = _packed(fmt, group, n, k, half)
     w = q.dequantize()
     gen = torch.Generator().manual_seed(n * k + 7)
@@ -187,11 +204,18 @@ def test_int4_float_activations_as_three_int8_pieces(fmt, group, n, k, half):
     x[2, 40] = 1e-30  # below float32's normal range once scaled: its pieces are 0, and that is within the bound
     for m in (1, 2, 3, 4, 5, 8, 12):
         got = quant_panels.matmul(x[:m], p, lib=lib)
-        _check(got, _pieces_reference(x[:m]) @ w.double().t(), x[:m], w)
+        _check(got, _pieces_reference(x[:m], count) @ w.double().t(), x[:m], w)
+        if count == 2:  # each activation within d / 256 (d = its block's max |x| / 127) of x
+            err = quant_panels.matmul(x[:m], p, lib=lib).double() - x[:m].double() @ w.double().t()
+            step = x[:m].abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, dim=1).double() / (127 * 256)
+            scale = x[:m].double().abs() @ w.double().abs().t()
+            assert (err.abs() <= step @ w.double().abs().t() + 1e-5 * scale).all(), m
         for r in {0, m - 1}:
             assert torch.equal(quant_panels.matmul(x[r : r + 1], p, lib=lib)[0], got[r]), (m, r)
         with _float_tiles(lib):
             assert not torch.equal(got, quant_panels.matmul(x[:m], p, lib=lib))  # the pieces really ran
+        with _pieces(lib, 5 - count):
+            assert not torch.equal(got, quant_panels.matmul(x[:m], p, lib=lib))  # and as many as asked
     with _float_tiles(lib):
         widened = quant_panels.matmul(x, p, lib=lib)
     assert torch.equal(quant_panels.matmul(x, p, lib=lib), widened)  # 13 rows: above the direct tiles
@@ -264,9 +288,10 @@ def test_quant_linear_panels_form(fmt):
     x = torch.randn(5, 128, generator=gen)
     ref = x.double() @ q.dequantize().double().t() + bias.double()
     w = q.dequantize()
-    _check(lin(x), ref, x, w, bias)
     out = torch.ones(5, 70)
-    assert lin.add_to(out, x) is out
+    with _pieces(quant_panels._load(), 3):  # float32 rounding only (two pieces: their bound, above)
+        _check(lin(x), ref, x, w, bias)
+        assert lin.add_to(out, x) is out
     _check(out, ref + 1.0, x, w, bias.abs() + 1.0)
     assert lin(x.bfloat16()).dtype == torch.bfloat16
     if fmt == "int8":  # a tied table's rows come from the panels, bit for bit
@@ -408,7 +433,8 @@ def test_float16_scales_only_where_they_change_nothing():
         assert (p.scales.dtype == torch.float16) == half
         x = torch.randn(3, k, generator=gen)
         w = q.dequantize()
-        _check(quant_panels.matmul(x, p), x.double() @ w.double().t(), x, w)
+        with _pieces(quant_panels._load(), 3):
+            _check(quant_panels.matmul(x, p), x.double() @ w.double().t(), x, w)
     assert quant_panels.pack(_quantized("int4", 32, 20, 64, tiny=False)).nbytes < quant_panels.pack(
         _quantized("int4", 32, 20, 64, tiny=True)).nbytes
 
