@@ -182,6 +182,8 @@ def test_latency_smoke(tiny, tmp_path):
     assert service["engine"].startswith("inferq service") and service["requests"] == ours["requests"]
     assert service["output_tokens"] == sum(map(len, ours["outputs"]))  # greedy through the service: as many
     assert service["vs_offline"] > 0 and service["ttft_p50_ms"] > 0
+    assert len(service["ttft_by_chat_ms"]) == len(offline["ttft_by_chat_ms"]) == service["requests"]
+    assert isinstance(service["ttft_hop_ms"], float)  # paired chat by chat (tests/unit/test_bench_latency.py)
     hop = service["hop_parts_ms"]  # from the job rows of the service's requests
     assert hop["queue"] >= 0 and hop["worker to first token"] > 0 and hop["delivery"] >= 0
     assert hop["hop"] == pytest.approx(hop["api"] + hop["queue"] + hop["delivery"])
