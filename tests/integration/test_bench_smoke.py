@@ -162,6 +162,7 @@ def test_latency_smoke(tiny, tmp_path):
     assert [(r["batch"], r["fused"], r["ahead"]) for r in d["breakdown"]] == [
         *((b, f, False) for f in (False, True) for b in (1, 2, 4)), (1, True, True)]  # then batch 1 as served
     served = d["breakdown"][-1]  # decode-ahead windows: fewer engine steps than tokens
+    assert len(served["pass_shares"]) == 1  # --quick: one pass (else the median of three)
     assert served["tokens"] >= 6 and served["engine_steps"] < served["tokens"]
     assert served["parts_ms"]["runner (forwards, sampling)"] > 0
     assert abs(sum(served["parts_ms"].values()) - served["step_ms"]) < 1e-6 * served["step_ms"]

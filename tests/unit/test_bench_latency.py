@@ -16,3 +16,13 @@ def test_the_ttft_difference_pairs_each_chat_with_its_offline_pass():
     assert paired_ttft_difference([{"ttft_by_chat_ms": [1.0]}], [{"ttft_by_chat_ms": [None]}]) is None
     with pytest.raises(ValueError):  # passes or chats that do not pair up are a bug, not a result
         paired_ttft_difference(offline, service[:1])
+
+
+def test_the_served_row_is_its_median_pass():
+    from bench.latency import median_share
+
+    passes = [{"achieved_gbs": g, "read_alt_gbs": r, "tag": t} for g, r, t in
+              ((20.0, 40.0, "a"), (10.0, 40.0, "stalled"), (30.0, 40.0, "c"), (12.0, None, "old"))]
+    row = median_share(passes[:3], 30.0)
+    assert row["tag"] == "a" and row["pass_shares"] == [0.5, 0.25, 0.75]
+    assert median_share(passes[3:], 30.0)["pass_shares"] == [0.4]  # no reads alongside: the read before
