@@ -589,27 +589,24 @@ static void tile_i4(int mr, int half, const float* x, int64_t xs, const uint8_t*
 static void tile_i4a8(int pc, int mr, int half, const int8_t* xq, int64_t xqs, const float* xd, int64_t xds,
                       const float* xh, int ng, const uint8_t* w, const void* sz, int G, int K, float* y, int64_t ys,
                       const float* b, int nc, int acc, const uint8_t* pf) {
+#define I4A8_TILE(BLOCK)                                                              \
+    if (half)                                                                         \
+        I4_ROWS(BLOCK, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf) \
+    else                                                                              \
+        I4_ROWS(BLOCK, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
 #ifdef BLOCK_I4P3
     if (pc == 3) {
-        if (half)
-            I4_ROWS(BLOCK_I4P3, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
-        else
-            I4_ROWS(BLOCK_I4P3, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        I4A8_TILE(BLOCK_I4P3)
         return;
     }
     if (pc == 2) {
-        if (half)
-            I4_ROWS(BLOCK_I4P2, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
-        else
-            I4_ROWS(BLOCK_I4P2, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+        I4A8_TILE(BLOCK_I4P2)
         return;
     }
 #endif
     (void)pc;
-    if (half)
-        I4_ROWS(BLOCK_I4A8, 1, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
-    else
-        I4_ROWS(BLOCK_I4A8, 0, xq, xqs, xd, xds, xh, ng, w, sz, G, K, y, ys, b, nc, acc, pf)
+    I4A8_TILE(BLOCK_I4A8)
+#undef I4A8_TILE
 }
 
 /* Panel p's rows k0 .. k0 + kn widened to float32 weights in dst [kn, 16]; the same rows of the next panel
