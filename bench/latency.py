@@ -672,8 +672,10 @@ def run(model: str | None = None, *, dtypes: tuple[str, ...] = ("float32",), eng
                                   for _ in range(1 if quick else 3)], read_gbs))
         streams = _fused_and_op_by_op(base, chats, max_tokens, repeats=1 if quick else 2)
         if "inferq-service" in engines:
+            # six alternations, 18 pairs: a pair's difference carries the prefill's own jitter (a few % of a
+            # 100-300 ms prefill, as large as the hop), which a median over nine pairs did not average out
             offline, service = service_vs_offline(base, model_dir, options, chats, max_tokens,
-                                                  repeats=1 if quick else 3, log=log)
+                                                  repeats=1 if quick else 6, log=log)
             streams += [offline, service]
             service["vs_offline"] = service["decode_tok_s"] / offline["decode_tok_s"]
             if service["ttft_hop_ms"] is None:
